@@ -1,0 +1,383 @@
+"""The loss scaler: its state, the update rule, and scaling / unscaling.
+
+The rule (torch.amp.GradScaler's, plus bounds, hysteresis and a static mode)::
+
+    after a step whose gradients were finite:
+        growth_tracker += 1
+        if dynamic and growth_tracker >= growth_interval:
+            if isfinite(scale * growth_factor):
+                scale = min(scale * growth_factor, max_scale)
+            growth_tracker = 0
+            hysteresis_tracker = hysteresis
+    after a step whose gradients held an inf or a NaN (the step is skipped):
+        growth_tracker = 0
+        hysteresis_tracker = max(hysteresis_tracker - 1, 0)
+        if dynamic and hysteresis_tracker == 0:
+            scale = max(scale * backoff_factor, min_scale)
+
+With the defaults (``hysteresis=1``, ``min_scale=0``, ``max_scale=inf``) this is
+exactly torch's ``_amp_update_scale_``. Hysteresis follows Megatron-LM's
+``DynamicGradScaler``: the tolerance is spent by non-finite steps and refilled
+only when the scale grows (DeepSpeed refills it on every finite step instead).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+StallPolicy = Literal["skip", "raise"]
+
+
+class ScalerState(NamedTuple):
+  """Everything the loss scaler knows; every leaf is a scalar array.
+
+  The hyperparameters live here too, as arrays: they are checkpointed with the
+  state, exported by :func:`state_dict`, and can be changed between steps with
+  :func:`configure` without recompiling anything.
+  """
+
+  scale: jax.Array  # shape=(), dtype=float32; 1.0 when disabled
+  growth_tracker: jax.Array  # shape=(), dtype=int32; finite steps since last growth or backoff
+  hysteresis_tracker: jax.Array  # shape=(), dtype=int32; non-finite steps tolerated before backoff
+  skipped_steps: jax.Array  # shape=(), dtype=int32; total skipped steps (saturating)
+  last_skipped: jax.Array  # shape=(), dtype=bool; whether the most recent step was skipped
+  stalled: jax.Array  # shape=(), dtype=bool; sticky, see `on_stall` in `init`
+  growth_factor: jax.Array  # shape=(), dtype=float32
+  backoff_factor: jax.Array  # shape=(), dtype=float32
+  growth_interval: jax.Array  # shape=(), dtype=int32
+  hysteresis: jax.Array  # shape=(), dtype=int32
+  min_scale: jax.Array  # shape=(), dtype=float32
+  max_scale: jax.Array  # shape=(), dtype=float32
+  dynamic: jax.Array  # shape=(), dtype=bool; False keeps the scale fixed
+  raise_on_stall: jax.Array  # shape=(), dtype=bool
+  enabled: jax.Array  # shape=(), dtype=bool
+
+
+# The options `configure` may change, with the dtype each is stored in.
+_OPTION_DTYPES = {
+    "scale": jnp.float32,
+    "growth_factor": jnp.float32,
+    "backoff_factor": jnp.float32,
+    "growth_interval": jnp.int32,
+    "hysteresis": jnp.int32,
+    "min_scale": jnp.float32,
+    "max_scale": jnp.float32,
+    "dynamic": jnp.bool_,
+    "growth_tracker": jnp.int32,
+}
+
+
+def init(
+    *,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    enabled: bool = True,
+    hysteresis: int = 1,
+    min_scale: float = 0.0,
+    max_scale: float = math.inf,
+    dynamic: bool = True,
+    on_stall: StallPolicy = "skip",
+) -> ScalerState:
+  """Builds a :class:`ScalerState`; the defaults are torch.amp.GradScaler's.
+
+  Args:
+    init_scale: the first loss scale. Powers of two keep unscaling exact.
+    growth_factor: the scale is multiplied by this after ``growth_interval``
+      consecutive finite steps. Must be > 1.
+    backoff_factor: the scale is multiplied by this after a non-finite step.
+      Must be in (0, 1).
+    growth_interval: consecutive finite steps before the scale grows; >= 1.
+    enabled: when False the scaler is the identity: the scale reads 1.0,
+      nothing is checked and no step is skipped.
+    hysteresis: non-finite steps tolerated before the scale backs off
+      (Megatron-LM's meaning: the tolerance refills when the scale grows).
+      Every non-finite step is skipped regardless. 1 backs off at once.
+    min_scale: the scale never backs off below this. May be below 1.
+    max_scale: the scale never grows above this.
+    dynamic: False keeps the scale fixed at ``init_scale`` (a static loss
+      scale); non-finite steps are still skipped and counted.
+    on_stall: what happens when a step overflows while the scale is already
+      at ``min_scale``: ``"skip"`` keeps skipping such steps; ``"raise"`` sets
+      the sticky ``stalled`` flag, skips every later step (the parameters stay
+      at their last good values) and makes :func:`raise_if_stalled` raise.
+      The flag lives on the device: checking it is a host sync, so do it at
+      your logging cadence, not every step.
+
+  Returns:
+    A :class:`ScalerState` whose leaves are all scalar arrays.
+
+  Raises:
+    ValueError: if an option is out of range.
+
+  Examples:
+    >>> import jaxscale
+    >>> state = jaxscale.init(init_scale=1024.0, growth_interval=100)
+    >>> state.scale
+    Array(1024., dtype=float32)
+    >>> jaxscale.init(enabled=False).scale
+    Array(1., dtype=float32)
+  """
+  if on_stall not in ("skip", "raise"):
+    raise ValueError(f"`on_stall` must be 'skip' or 'raise', got {on_stall!r}.")
+  if not isinstance(enabled, bool):
+    raise ValueError(f"`enabled` must be a Python bool, got {enabled!r}.")
+  options = dict(
+      scale=init_scale if enabled else 1.0,
+      growth_factor=growth_factor,
+      backoff_factor=backoff_factor,
+      growth_interval=growth_interval,
+      hysteresis=hysteresis,
+      min_scale=min_scale,
+      max_scale=max_scale,
+      dynamic=dynamic,
+  )
+  _validate({**options, "scale": init_scale}, name_of_scale="init_scale")
+  # `jnp.array` copies: no two leaves may share a buffer, or donating the
+  # state would donate one buffer twice.
+  arrays = {k: jnp.array(v, _OPTION_DTYPES[k]) for k, v in options.items()}
+  return ScalerState(
+      growth_tracker=jnp.zeros((), jnp.int32),
+      hysteresis_tracker=jnp.array(hysteresis, jnp.int32),
+      skipped_steps=jnp.zeros((), jnp.int32),
+      last_skipped=jnp.zeros((), jnp.bool_),
+      stalled=jnp.zeros((), jnp.bool_),
+      raise_on_stall=jnp.asarray(on_stall == "raise"),
+      enabled=jnp.asarray(enabled),
+      **arrays,
+  )
+
+
+def configure(state: ScalerState, **options: Any) -> ScalerState:
+  """Returns ``state`` with some options changed; nothing recompiles.
+
+  The equivalent of torch's ``set_growth_factor``, ``set_backoff_factor``,
+  ``set_growth_interval`` and ``update(new_scale)``: any of ``scale``,
+  ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``,
+  ``min_scale``, ``max_scale``, ``dynamic`` and ``growth_tracker`` may be given.
+  Concrete values are validated like :func:`init`'s; traced ones are not.
+  On a disabled state the scale stays 1.0.
+
+  Examples:
+    >>> import jaxscale
+    >>> state = jaxscale.configure(jaxscale.init(), scale=128.0, growth_interval=10)
+    >>> int(state.growth_interval), float(state.scale)
+    (10, 128.0)
+  """
+  unknown = sorted(set(options) - set(_OPTION_DTYPES))
+  if unknown:
+    raise ValueError(
+        f"`configure` cannot change {unknown}; it takes any of {sorted(_OPTION_DTYPES)}."
+    )
+  current = {k: getattr(state, k) for k in _OPTION_DTYPES}
+  _validate({**current, **options}, name_of_scale="scale")
+  arrays = {k: jnp.array(v, _OPTION_DTYPES[k]) for k, v in options.items()}
+  if "scale" in arrays:
+    arrays["scale"] = jnp.where(state.enabled, arrays["scale"], state.scale)
+  return state._replace(**arrays)
+
+
+def _validate(options: dict[str, Any], *, name_of_scale: str) -> None:
+  """Raises ValueError for out-of-range options; skips values under tracing."""
+  value = {}
+  for name, v in options.items():
+    if isinstance(v, jax.core.Tracer):
+      continue
+    v = np.asarray(v)
+    if v.shape != ():
+      raise ValueError(f"`{name}` must be a scalar, got an array of shape {v.shape}.")
+    value[name] = v.item()
+
+  def check(name, ok, requirement):
+    if name in value and not ok(value[name]):
+      shown = name_of_scale if name == "scale" else name
+      raise ValueError(f"`{shown}` must be {requirement}, got {value[name]!r}.")
+
+  check("scale", lambda s: math.isfinite(s) and s > 0, "finite and > 0")
+  check("growth_factor", lambda g: g > 1, "> 1")
+  check("backoff_factor", lambda b: 0 < b < 1, "in the open interval (0, 1)")
+  check("growth_interval", lambda n: float(n).is_integer() and n >= 1, "an integer >= 1")
+  check("growth_tracker", lambda n: float(n).is_integer() and n >= 0, "an integer >= 0")
+  check("hysteresis", lambda n: float(n).is_integer() and n >= 1, "an integer >= 1")
+  check("min_scale", lambda m: math.isfinite(m) and m >= 0, "finite and >= 0")
+  check("max_scale", lambda m: m > 0, "> 0")
+  if "min_scale" in value and "max_scale" in value and value["min_scale"] > value["max_scale"]:
+    raise ValueError(
+        f"`min_scale` ({value['min_scale']}) must not exceed `max_scale` ({value['max_scale']})."
+    )
+
+
+def scale(state: ScalerState, tree: Any) -> Any:
+  """Multiplies every floating leaf of ``tree`` by the loss scale.
+
+  Each leaf keeps its dtype; the product is formed in at least float32, so a
+  float16 loss overflows only if the scaled value itself does. Integer leaves
+  are returned as they are. With a disabled state this is the identity.
+
+  Args:
+    state: the scaler state.
+    tree: a loss, or any pytree of losses.
+
+  Returns:
+    ``tree`` with its floating leaves scaled.
+
+  Raises:
+    ValueError: if ``tree`` has no floating leaf.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxscale
+    >>> jaxscale.scale(jaxscale.init(init_scale=8.0), jnp.float16(0.5))
+    Array(4., dtype=float16)
+  """
+  leaves = jax.tree.leaves(tree)
+  if not any(_is_floating(x) for x in leaves):
+    dtypes = [jnp.result_type(x).name for x in leaves]
+    raise ValueError(
+        "`jaxscale.scale` needs a floating loss (or a pytree with at least one "
+        f"floating leaf), but got leaves of dtypes {dtypes}."
+    )
+
+  def scale_leaf(x):
+    if not _is_floating(x):
+      return x
+    x = jnp.asarray(x)
+    wide = _wide(x.dtype)
+    return (x.astype(wide) * state.scale.astype(wide)).astype(x.dtype)
+
+  return jax.tree.map(scale_leaf, tree)
+
+
+def unscale_and_check(
+    state: ScalerState, grads: Any, *, axis_name: Any = None
+) -> tuple[Any, jax.Array]:
+  """Divides gradients by the loss scale and checks that they are finite.
+
+  Each leaf keeps its dtype; integer and ``float0`` leaves pass through.
+  The division is exact for power-of-two scales across the whole float32
+  range (see :func:`_reciprocal_factors`).
+
+  Args:
+    state: the scaler state that scaled the loss.
+    grads: a pytree of scaled gradients.
+    axis_name: inside ``shard_map`` or ``pmap``, the mapped axis (or tuple of
+      axes) over which every device must agree on the flag.
+
+  Returns:
+    ``(grads, finite)``: the unscaled gradients, and a scalar bool array that
+    is True iff every element of every leaf is finite (on every device of
+    ``axis_name``). Always True when the state is disabled.
+  """
+  r1, r2 = _reciprocal_factors(state.scale)
+
+  def unscale_leaf(g):
+    if not _is_floating(g):
+      return g
+    wide = _wide(g.dtype)
+    return (g.astype(wide) * r1.astype(wide) * r2.astype(wide)).astype(g.dtype)
+
+  grads = jax.tree.map(unscale_leaf, grads)
+  return grads, all_finite(grads, state, axis_name=axis_name)
+
+
+def _reciprocal_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Two normal float32 factors whose product is ``1 / scale``.
+
+  ``1 / scale`` itself is subnormal for scales above 2**126, and XLA flushes
+  subnormals to zero. Dividing instead is exact but costs a pass: XLA will not
+  duplicate a division into each consumer of the gradients, so it writes the
+  unscaled gradients out and reads them back. Two multiplications by normal
+  factors fuse into every consumer, and for ``scale = m * 2**e`` they give
+  ``g * fl(1/m) * 2**-e``: exactly torch's ``g * fl(1/scale)`` (exact for
+  powers of two), and never an intermediate overflow the true quotient lacks.
+  """
+  mantissa, exponent = jnp.frexp(scale)
+  high = exponent - exponent // 2  # ceil(e / 2): r1 <= 1 whenever scale >= 1
+  r1 = jnp.ldexp(1.0 / mantissa, -high)
+  r2 = jnp.ldexp(jnp.ones_like(scale), high - exponent)
+  return r1, r2
+
+
+def all_finite(tree: Any, state: ScalerState | None = None, *, axis_name: Any = None) -> jax.Array:
+  """A scalar bool array: every element of every floating leaf is finite."""
+  # `x * 0` is 0 for finite x and NaN for inf or NaN, and a sum propagates
+  # NaN: one fused reduction per leaf that reads it once and writes nothing.
+  # (`isfinite(x).all()` writes a bool array first; `max` drops NaNs on CPU.)
+  total = sum(
+      (jnp.sum(g * 0).astype(jnp.float32) for g in jax.tree.leaves(tree) if _is_floating(g)),
+      start=jnp.zeros((), jnp.float32),
+  )
+  finite = jnp.isfinite(total)
+  if axis_name is not None:
+    finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+  if state is not None:
+    finite = finite | ~state.enabled
+  return finite
+
+
+def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
+  """Returns the next state after a step whose gradients were ``finite``.
+
+  Branch-free, so it jits once whatever the flag, the scale and the options.
+  A disabled state is returned unchanged.
+
+  Examples:
+    >>> import jaxscale
+    >>> state = jaxscale.update(jaxscale.init(init_scale=1024.0), False)
+    >>> float(state.scale), int(state.skipped_steps)
+    (512.0, 1)
+  """
+  finite = jnp.asarray(finite, jnp.bool_) & ~state.stalled
+  dynamic = state.dynamic
+  hysteresis_left = jnp.where(finite, state.hysteresis_tracker, jnp.maximum(state.hysteresis_tracker - 1, 0))
+  tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
+  grow = dynamic & finite & (tracker >= state.growth_interval)
+  back_off = dynamic & ~finite & (hysteresis_left == 0)
+
+  grown = state.scale * state.growth_factor
+  # torch keeps the scale when growing would overflow float32.
+  grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, state.max_scale), state.scale)
+  backed_off = jnp.maximum(state.scale * state.backoff_factor, state.min_scale)
+  at_floor = state.scale <= state.min_scale
+
+  new = state._replace(
+      scale=jnp.where(grow, grown, jnp.where(back_off, backed_off, state.scale)),
+      growth_tracker=jnp.where(grow, 0, tracker),
+      hysteresis_tracker=jnp.where(grow, state.hysteresis, hysteresis_left),
+      skipped_steps=jnp.where(finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)),
+      last_skipped=~finite,
+      stalled=state.stalled | (state.raise_on_stall & dynamic & ~finite & at_floor),
+  )
+  return jax.tree.map(lambda n, o: jnp.where(state.enabled, n, o), new, state)
+
+
+def raise_if_stalled(state: ScalerState) -> None:
+  """Raises FloatingPointError if the scaler stalled (see ``on_stall``).
+
+  This reads one bool from the device, so it synchronises with it: call it
+  where you already log, not on every step.
+  """
+  if bool(jax.device_get(state.stalled)):
+    raise FloatingPointError(
+        "jaxscale: a step overflowed while the loss scale was already at "
+        f"`min_scale` ({float(state.min_scale)}); every step since has been "
+        "skipped and the parameters hold their last finite values. Lower "
+        "`min_scale`, or look for the source of the inf/NaN in the model."
+    )
+
+
+def _wide(dtype) -> Any:
+  """float16 and bfloat16 compute in float32; wider dtypes in themselves."""
+  return jnp.float32 if jnp.finfo(dtype).bits < 32 else dtype
+
+
+def _is_floating(x) -> bool:
+  if isinstance(x, (bool, int)):
+    return False
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
