@@ -1,0 +1,305 @@
+"""The update rule, scaling and unscaling, against a plain-Python model of the rule."""
+
+import dataclasses
+import math
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxscale
+
+f32 = np.float32
+
+
+@dataclasses.dataclass
+class ReferenceScaler:
+  """The rule as DESIGN.md states it, with Megatron-LM's hysteresis, in NumPy float32."""
+
+  scale: float = 2.0**16
+  growth_factor: float = 2.0
+  backoff_factor: float = 0.5
+  growth_interval: int = 2000
+  hysteresis: int = 1
+  min_scale: float = 0.0
+  max_scale: float = math.inf
+  dynamic: bool = True
+  growth_tracker: int = 0
+  skipped: int = 0
+
+  def __post_init__(self):
+    self.hysteresis_tracker = self.hysteresis
+
+  def update(self, finite: bool):
+    if finite:
+      self.growth_tracker += 1
+      if self.dynamic and self.growth_tracker >= self.growth_interval:
+        with np.errstate(over="ignore"):
+          grown = f32(self.scale) * f32(self.growth_factor)
+        if np.isfinite(grown):
+          self.scale = min(grown, f32(self.max_scale))
+        self.growth_tracker = 0
+        self.hysteresis_tracker = self.hysteresis
+    else:
+      self.skipped += 1
+      self.growth_tracker = 0
+      self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
+      if self.dynamic and self.hysteresis_tracker == 0:
+        self.scale = max(f32(self.scale) * f32(self.backoff_factor), f32(self.min_scale))
+
+
+OPTION_SETS = {
+    "torch_defaults_short_interval": dict(init_scale=2.0**16, growth_interval=3),
+    "odd_factors": dict(init_scale=1000.0, growth_factor=3.0, backoff_factor=0.3, growth_interval=2),
+    "hysteresis_3": dict(init_scale=2.0**10, growth_interval=4, hysteresis=3),
+    "bounded": dict(init_scale=4.0, growth_interval=1, min_scale=0.25, max_scale=64.0),
+    "static": dict(init_scale=128.0, growth_interval=1, dynamic=False),
+    "growth_overflows_float32": dict(init_scale=2.0**126, growth_interval=1),
+}
+
+
+def reference_for(options):
+  options = dict(options)
+  return ReferenceScaler(scale=options.pop("init_scale"), **options)
+
+
+jit_update = jax.jit(jaxscale.update)
+
+
+@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(flags=st.lists(st.booleans(), min_size=1, max_size=40))
+def test_update_matches_reference_model(options, flags):
+  state, ref = jaxscale.init(**options), reference_for(options)
+  for finite in flags:
+    state = jit_update(state, jnp.asarray(finite))
+    ref.update(finite)
+    assert float(state.scale) == ref.scale
+    assert int(state.growth_tracker) == ref.growth_tracker
+    assert int(state.hysteresis_tracker) == ref.hysteresis_tracker
+    assert int(state.skipped_steps) == ref.skipped
+    assert bool(state.last_skipped) == (not finite)
+
+
+def test_update_compiles_once_whatever_flag_scale_and_options():
+  update = jax.jit(lambda state, finite: jaxscale.update(state, finite))
+  state = jaxscale.init(growth_interval=2)
+  for finite in [True, False, True, True, False]:
+    state = update(state, finite)
+  state = jaxscale.configure(state, growth_factor=4.0, scale=3.0, hysteresis=2, dynamic=False)
+  state = update(state, True)
+  assert update._cache_size() == 1
+
+
+def test_scale_of_2_pow_127_does_not_grow_past_float32():
+  state = jaxscale.init(init_scale=2.0**127, growth_interval=1)
+  state = jaxscale.update(state, True)
+  assert float(state.scale) == 2.0**127
+  assert int(state.growth_tracker) == 0
+
+
+def test_growth_is_clamped_to_max_scale():
+  state = jaxscale.init(init_scale=48.0, growth_interval=1, max_scale=64.0)
+  assert float(jaxscale.update(state, True).scale) == 64.0
+
+
+def test_backoff_below_one_stops_at_min_scale():
+  state = jaxscale.init(init_scale=1.0, min_scale=0.125)
+  scales = []
+  for _ in range(5):
+    state = jaxscale.update(state, False)
+    scales.append(float(state.scale))
+  assert scales == [0.5, 0.25, 0.125, 0.125, 0.125]
+
+
+def test_on_stall_skip_keeps_going():
+  state = jaxscale.init(init_scale=1.0, min_scale=1.0, growth_interval=1)
+  for finite in [False, False, True]:
+    state = jaxscale.update(state, finite)
+  assert not bool(state.stalled)
+  assert float(state.scale) == 2.0
+  jaxscale.raise_if_stalled(state)
+
+
+def test_on_stall_raise_freezes_and_raises():
+  state = jaxscale.init(init_scale=2.0, min_scale=1.0, growth_interval=1, on_stall="raise")
+  state = jaxscale.update(state, False)  # 2 -> 1: backing off still helps
+  assert not bool(state.stalled)
+  state = jaxscale.update(state, False)  # already at the floor: stalled
+  assert bool(state.stalled)
+  state = jaxscale.update(state, True)  # later steps are skipped, finite or not
+  assert bool(state.last_skipped) and int(state.skipped_steps) == 3
+  with pytest.raises(FloatingPointError, match="min_scale"):
+    jaxscale.raise_if_stalled(state)
+
+
+def test_disabled_state_is_inert():
+  state = jaxscale.init(enabled=False)
+  assert float(state.scale) == 1.0
+  after = jaxscale.update(state, False)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), after, state)
+  grads, finite = jaxscale.unscale_and_check(state, {"w": jnp.array([jnp.nan, 1.0])})
+  assert bool(finite)
+  np.testing.assert_array_equal(grads["w"], np.array([np.nan, 1.0], np.float32))
+  x = jnp.float16(3.0)
+  assert jaxscale.scale(state, x) is not None and float(jaxscale.scale(state, x)) == 3.0
+
+
+def test_configure_sets_scale_like_torch_update_new_scale():
+  state = jaxscale.update(jaxscale.init(growth_interval=10), True)
+  state = jaxscale.configure(state, scale=2.0**8)
+  assert float(state.scale) == 256.0
+  assert int(state.growth_tracker) == 1  # torch's update(new_scale) leaves the tracker alone
+
+
+def test_configure_under_jit_changes_options_without_recompiling():
+  @jax.jit
+  def set_interval(state, n):
+    return jaxscale.configure(state, growth_interval=n)
+
+  state = jaxscale.init()
+  for n in [1, 5, 9]:
+    state = set_interval(state, n)
+    assert int(state.growth_interval) == n
+  assert set_interval._cache_size() == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=["f16", "bf16", "f32"])
+def test_scale_keeps_dtypes_and_leaves_integers_alone(dtype, strict_promotion):
+  state = jaxscale.init(init_scale=8.0)
+  tree = {"loss": jnp.asarray(0.25, dtype), "aux": (jnp.float32(1.5), jnp.int32(3))}
+  out = jaxscale.scale(state, tree)
+  assert out["loss"].dtype == dtype and float(out["loss"]) == 2.0
+  assert out["aux"][0].dtype == jnp.float32 and float(out["aux"][0]) == 12.0
+  assert out["aux"][1].dtype == jnp.int32 and int(out["aux"][1]) == 3
+
+
+def test_scale_forms_the_product_in_float32():
+  # 2**16 does not fit in float16, but 2**-10 * 2**16 = 64 does.
+  assert float(jaxscale.scale(jaxscale.init(), jnp.float16(2.0**-10))) == 64.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=["f16", "bf16", "f32"])
+def test_unscale_is_exact_for_power_of_two_scales(dtype, strict_promotion):
+  rng = np.random.default_rng(0)
+  true = jnp.asarray(rng.normal(size=64) * 1e-3, dtype)
+  for exponent in [0, 1, 10, 16, 24]:  # scales below 1 would make float16 subnormals
+    state = jaxscale.init(init_scale=2.0**exponent)
+    scaled = jaxscale.scale(state, true)
+    grads, finite = jaxscale.unscale_and_check(state, {"g": scaled})
+    assert grads["g"].dtype == dtype and bool(finite)
+    np.testing.assert_array_equal(grads["g"], true)
+
+
+def test_unscale_is_exact_at_scale_2_pow_127():
+  # 1 / 2**127 is subnormal in float32: a multiply by it would flush to zero.
+  state = jaxscale.init(init_scale=2.0**127)
+  g = np.array([1.0, -0.75, 2.0**-20], np.float32)
+  unscaled, finite = jax.jit(jaxscale.unscale_and_check)(state, g * np.float32(2.0**127))
+  assert bool(finite)
+  np.testing.assert_array_equal(unscaled, g)
+
+
+def test_unscale_matches_torch_rounding_for_other_scales():
+  # torch multiplies by fl(1 / scale); so do we, without ever forming a subnormal.
+  g = np.linspace(-3, 3, 101, dtype=np.float32)
+  for s in [3.0, 1000.0, 0.3, 12345.678]:
+    ours, _ = jaxscale.unscale_and_check(jaxscale.init(init_scale=s), g)
+    np.testing.assert_array_equal(ours, g * (np.float32(1) / np.float32(s)))
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=["f16", "bf16", "f32"])
+def test_check_finds_one_bad_element_anywhere(bad, dtype):
+  check = jax.jit(jaxscale.unscale_and_check)
+  state = jaxscale.init(init_scale=4.0)
+  for index in [0, 517, 1023]:
+    grads = {"a": jnp.ones((4, 3), dtype), "b": jnp.ones(1024, dtype).at[index].set(bad)}
+    assert not bool(check(state, grads)[1])
+  assert bool(check(state, {"a": jnp.ones(3, dtype), "b": jnp.full(3, 60000, dtype)})[1])
+
+
+def test_unscaling_that_overflows_the_dtype_is_not_finite():
+  # A scale below 1 can push float16 gradients past 65504 when unscaling.
+  state = jaxscale.init(init_scale=0.5)
+  grads, finite = jaxscale.unscale_and_check(state, jnp.array([40000.0], jnp.float16))
+  assert not bool(finite)
+
+
+def test_check_ignores_integer_leaves():
+  state = jaxscale.init()
+  _, finite = jaxscale.unscale_and_check(state, {"g": jnp.ones(2), "n": jnp.int32(7)})
+  assert bool(finite)
+
+
+BAD_OPTIONS = {
+    "growth_factor_1": (dict(growth_factor=1.0), "growth_factor"),
+    "backoff_factor_0": (dict(backoff_factor=0.0), "backoff_factor"),
+    "backoff_factor_1": (dict(backoff_factor=1.0), "backoff_factor"),
+    "growth_interval_0": (dict(growth_interval=0), "growth_interval"),
+    "growth_interval_fraction": (dict(growth_interval=2.5), "growth_interval"),
+    "init_scale_0": (dict(init_scale=0.0), "init_scale"),
+    "init_scale_negative": (dict(init_scale=-1.0), "init_scale"),
+    "init_scale_inf": (dict(init_scale=math.inf), "init_scale"),
+    "init_scale_nan": (dict(init_scale=math.nan), "init_scale"),
+    "min_above_max": (dict(min_scale=8.0, max_scale=4.0), "min_scale"),
+    "hysteresis_0": (dict(hysteresis=0), "hysteresis"),
+    "on_stall": (dict(on_stall="explode"), "on_stall"),
+    "array_option": (dict(growth_factor=np.ones(2)), "growth_factor"),
+}
+
+
+@pytest.mark.parametrize("options, name", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
+def test_bad_options_raise_at_construction(options, name):
+  with pytest.raises(ValueError, match=f"`{name}`"):
+    jaxscale.init(**options)
+  with pytest.raises(ValueError, match=f"`{name}`"):
+    jaxscale.dynamic_loss_scaling(__import__("optax").sgd(0.1), **options)
+
+
+def test_configure_rejects_bad_values_and_unknown_names():
+  state = jaxscale.init()
+  with pytest.raises(ValueError, match="`backoff_factor`"):
+    jaxscale.configure(state, backoff_factor=2.0)
+  with pytest.raises(ValueError, match="cannot change"):
+    jaxscale.configure(state, enabled=False)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [jnp.int32(3), 3, {"a": jnp.arange(3)}],
+    ids=["int32", "python_int", "int_tree"],
+)
+def test_scale_rejects_a_loss_with_no_floating_leaf(loss):
+  with pytest.raises(ValueError, match="floating"):
+    jaxscale.scale(jaxscale.init(), loss)
+
+
+def test_every_leaf_is_an_array_with_its_own_buffer():
+  leaves = jax.tree.leaves(jaxscale.init())
+  assert all(isinstance(leaf, jax.Array) and leaf.shape == () for leaf in leaves)
+  pointers = [leaf.unsafe_buffer_pointer() for leaf in leaves]
+  assert len(set(pointers)) == len(pointers)  # donating the state donates each once
+
+
+def test_state_survives_tree_map_and_jit_roundtrip():
+  state = jaxscale.init(init_scale=1024.0, min_scale=2.0, hysteresis=2)
+  again = jax.jit(lambda s: jax.tree.map(lambda x: x, s))(state)
+  assert isinstance(again, jaxscale.ScalerState)
+  jax.tree.map(np.testing.assert_array_equal, again, state)
+
+
+def test_value_and_grad_returns_unscaled_value_and_grads():
+  def loss(w, x):
+    return jnp.sum((w * x) ** 2), {"n": x.shape[0]}
+
+  state = jaxscale.init(init_scale=2.0**12)
+  w, x = jnp.array([1.0, -2.0]), jnp.array([0.5, 3.0])
+  (value, aux), grads, finite = jaxscale.value_and_grad(loss, has_aux=True)(state, w, x)
+  want_value, want_grads = jax.value_and_grad(lambda w: loss(w, x)[0])(w)
+  assert bool(finite) and aux == {"n": 2}
+  np.testing.assert_array_equal(value, want_value)
+  np.testing.assert_array_equal(grads, want_grads)
