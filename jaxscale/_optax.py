@@ -116,7 +116,10 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
         "`jaxscale.dynamic_loss_scaling(inner)`, and pass its state (or a "
         "part of it holding one scaler)."
     )
-  return jax.tree.map(_unwrap_variable, found[0])
+  # Field by field, not `jax.tree.map`: NNX Variables are pytree nodes
+  # themselves, so a tree map would reach the arrays inside them and leave
+  # the Variables in place.
+  return found[0]._make(_unwrap_variable(field) for field in found[0])
 
 
 def _unwrap_variable(leaf):

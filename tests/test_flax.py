@@ -1,0 +1,147 @@
+"""Flax integration: Linen TrainState and NNX Optimizer, float16 compute, jitted once."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import jaxscale
+import jaxscale.flax
+
+IN, HIDDEN, OUT = 8, 16, 1
+INIT_SCALE = 2.0**10
+
+
+@pytest.fixture(autouse=True)
+def fresh_trace_counter():
+  # chex counts traces per function body; each parameterisation defines its own step.
+  chex.clear_trace_counter()
+
+
+def batches():
+  """A poisoned batch (it overflows float16 in the forward pass), then finite ones."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(32, IN)), jnp.float32)
+  y = jnp.sum(x[:, :2], axis=1, keepdims=True)
+  yield x * 1e5, y  # 1e5 > float16's largest finite, 65504
+  for _ in range(20):
+    yield x, y
+
+
+def mse(pred, y):
+  return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
+
+
+def check_run(losses, params_history, scalers):
+  """The poisoned step was skipped bit for bit, the scale halved, and the finite steps trained."""
+  chex.assert_trees_all_equal(params_history[0], params_history[1])  # bitwise
+  assert float(scalers[0].scale) == INIT_SCALE / 2
+  assert bool(scalers[0].last_skipped) and int(scalers[0].skipped_steps) == 1
+  assert not any(bool(s.last_skipped) for s in scalers[1:])
+  assert float(scalers[-1].scale) == INIT_SCALE / 2
+  assert losses[-1] < 0.5 * losses[1], losses
+
+
+class LinenMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(dtype=jnp.float16, param_dtype=jnp.float32)
+    return nn.Dense(OUT, **kw)(nn.relu(nn.Dense(HIDDEN, **kw)(x)))
+
+
+@pytest.mark.parametrize("recipe", ["scaled_grads", "value_and_grad"])
+def test_linen_train_state(recipe):
+  model = LinenMLP()
+  x0, _ = next(batches())
+  state = train_state.TrainState.create(
+      apply_fn=model.apply,
+      params=model.init(jax.random.key(0), x0),
+      tx=jaxscale.dynamic_loss_scaling(optax.adam(1e-2), init_scale=INIT_SCALE),
+  )
+  # TrainState.create starts `step` as a Python int, which would compile twice.
+  state = state.replace(step=jnp.zeros((), jnp.int32))
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def train_step(state, x, y):
+    scaler = jaxscale.find_scaler(state.opt_state)
+    loss_fn = lambda params: mse(state.apply_fn(params, x), y)
+    if recipe == "scaled_grads":  # apply_gradients unscales and checks
+      grads = jax.grad(lambda p: jaxscale.scale(scaler, loss_fn(p)))(state.params)
+      return state.apply_gradients(grads=grads), loss_fn(state.params)
+    loss, grads, finite = jaxscale.value_and_grad(loss_fn)(scaler, state.params)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params, finite=finite)
+    params = optax.apply_updates(state.params, updates)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), loss
+
+  losses, params_history, scalers = [], [state.params], []
+  for x, y in batches():
+    state, loss = train_step(state, x, y)
+    losses.append(float(loss))
+    params_history.append(state.params)
+    scalers.append(jaxscale.find_scaler(state.opt_state))
+  check_run(losses, params_history, scalers)
+  assert train_step._cache_size() == 1
+  # Flax's counter counts the skipped step; the inner Adam's does not.
+  assert int(state.step) == 21
+  assert int(state.opt_state.inner_state[0].count) == 20
+
+
+class NNXMLP(nnx.Module):
+  def __init__(self, rngs):
+    kw = dict(dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs)
+    self.hidden = nnx.Linear(IN, HIDDEN, **kw)
+    self.out = nnx.Linear(HIDDEN, OUT, **kw)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.hidden(x)))
+
+
+@pytest.mark.parametrize("recipe", ["scaled_grads", "value_and_grad"])
+def test_nnx_optimizer(recipe):
+  model = NNXMLP(nnx.Rngs(0))
+  tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-2), init_scale=INIT_SCALE)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  @chex.assert_max_traces(n=1)
+  def train_step(model, optimizer, x, y):
+    scaler = jaxscale.find_scaler(optimizer.opt_state)
+    loss_fn = lambda model: mse(model(x), y)
+    if recipe == "scaled_grads":  # update unscales and checks
+      loss = loss_fn(model)
+      optimizer.update(model, nnx.grad(lambda m: jaxscale.scale(scaler, loss_fn(m)))(model))
+      return loss
+    loss, grads, finite = jaxscale.flax.value_and_grad(loss_fn)(scaler, model)
+    optimizer.update(model, grads, finite=finite)
+    return loss
+
+  params = lambda: jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  losses, params_history, scalers = [], [params()], []
+  for x, y in batches():
+    losses.append(float(train_step(model, optimizer, x, y)))
+    params_history.append(params())
+    scalers.append(jaxscale.find_scaler(optimizer.opt_state))
+  check_run(losses, params_history, scalers)
+  assert int(optimizer.step[...]) == 21  # NNX's own counter counts the skipped step
+  assert int(jaxscale.find_scaler(optimizer.opt_state).growth_tracker) == 20
+
+
+def test_find_scaler_unwraps_nnx_variables():
+  model = NNXMLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, jaxscale.dynamic_loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
+  scaler = jaxscale.find_scaler(optimizer.opt_state)
+  assert all(isinstance(leaf, jax.Array) for leaf in scaler)
+  assert repr(scaler.scale) == "Array(65536., dtype=float32)"
+  assert jaxscale.scale(scaler, jnp.float16(0.5)).dtype == jnp.float16
+
+  @nnx.jit
+  def scaled(optimizer, loss):
+    return jaxscale.scale(jaxscale.find_scaler(optimizer.opt_state), loss)
+
+  assert float(scaled(optimizer, jnp.float32(0.5))) == 2.0**15
