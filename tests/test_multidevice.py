@@ -1,0 +1,22 @@
+"""The 8-device tests (tests/distributed) and the data-parallel example, each in its own process.
+
+They need 8 simulated CPU devices, which JAX creates only if told before it starts, so they run in
+a child process; this module makes `python -m pytest` run them, within a time limit.
+"""
+
+from _spawn import child_env, run_python
+
+
+def test_8_device_suite(tmp_path):
+  run_python(
+      [["-m", "pytest", "-q", "-p", "no:xdist", "tests/distributed"]],
+      env=child_env(devices=8), timeout=240, logs=tmp_path,
+  )
+
+
+def test_data_parallel_example_on_8_simulated_devices(tmp_path):
+  (out,) = run_python(
+      [["examples/data_parallel.py", "--simulate-devices", "8", "--steps", "30"]],
+      env=child_env(), timeout=120, logs=tmp_path,
+  )
+  assert "8 devices" in out and "final loss" in out, out
