@@ -1,0 +1,262 @@
+"""A byte-level Transformer language model on the Python standard library's own source.
+
+Three runs of the same Flax NNX model, seed and data order: float32; float16
+compute (float32 parameters) without loss scaling; float16 with jaxscale. Then
+the evidence: how many gradient elements are zero or subnormal in float16
+with and without jaxscale's scale, as a table and a histogram of log2|g|.
+
+    python examples/lm.py                       # the default: a few minutes on 2 CPU cores
+    python examples/lm.py --loss-weight 1e-3    # small gradients: float16 without scaling loses
+    python examples/lm.py --depth 6 --init-std 0.002   # deeper, small init: the same
+    python examples/lm.py --steps 5000 --width 512 --depth 8 --seq-len 256 --batch 64  # a GPU
+
+The NNX recipe is in `make_train_step`; see also `jaxscale.flax`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxscale
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+VOCAB = 256  # bytes
+
+
+def load_stdlib_bytes(max_bytes: int) -> np.ndarray:
+  """The first ``max_bytes`` of the standard library's ``.py`` files, in sorted path order."""
+  root = sysconfig.get_paths()["stdlib"]
+  chunks, total = [], 0
+  for directory, subdirs, files in os.walk(root):
+    # Installed packages are not the standard library, and differ between machines.
+    subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+    for name in sorted(f for f in files if f.endswith(".py")):
+      with open(os.path.join(directory, name), "rb") as f:
+        chunks.append(f.read())
+      total += len(chunks[-1])
+      if total >= max_bytes:
+        return np.frombuffer(b"".join(chunks)[:max_bytes], np.uint8)
+  return np.frombuffer(b"".join(chunks), np.uint8)
+
+
+def sample_windows(data: np.ndarray, rng: np.random.Generator, batch: int, seq_len: int) -> np.ndarray:
+  starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
+  return np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+class CausalSelfAttention(nnx.Module):
+  """Multi-head causal self-attention; the softmax runs in float32, as mixed precision usually does."""
+
+  def __init__(self, width: int, heads: int, *, dtype, init, rngs: nnx.Rngs):
+    kw = dict(dtype=dtype, param_dtype=jnp.float32, kernel_init=init, rngs=rngs)
+    self.heads = heads
+    self.qkv = nnx.Linear(width, 3 * width, **kw)
+    self.out = nnx.Linear(width, width, **kw)
+
+  def __call__(self, x):
+    batch, length, width = x.shape
+    q, k, v = jnp.split(self.qkv(x).reshape(batch, length, 3 * self.heads, -1), 3, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(width // self.heads).astype(x.dtype)
+    causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
+    weights = jax.nn.softmax(jnp.where(causal, scores.astype(jnp.float32), -jnp.inf), axis=-1)
+    y = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(x.dtype), v)
+    return self.out(y.reshape(batch, length, width))
+
+
+class Block(nnx.Module):
+  """A pre-LayerNorm Transformer block."""
+
+  def __init__(self, width: int, heads: int, *, dtype, init, rngs: nnx.Rngs):
+    kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(width, **kw)
+    self.attn = CausalSelfAttention(width, heads, dtype=dtype, init=init, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(width, **kw)
+    self.up = nnx.Linear(width, 4 * width, kernel_init=init, **kw)
+    self.down = nnx.Linear(4 * width, width, kernel_init=init, **kw)
+
+  def __call__(self, x):
+    x = x + self.attn(self.ln1(x))
+    return x + self.down(nnx.gelu(self.up(self.ln2(x))))
+
+
+class TransformerLM(nnx.Module):
+  """Bytes in, next-byte logits out; computes in ``dtype`` with float32 parameters."""
+
+  def __init__(self, *, width, depth, heads, seq_len, dtype, init_std, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(init_std)
+    kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.dtype = dtype
+    self.embed = nnx.Embed(VOCAB, width, embedding_init=init, **kw)
+    self.pos = nnx.Param(init(rngs.params(), (seq_len, width), jnp.float32))
+    self.blocks = nnx.List([Block(width, heads, dtype=dtype, init=init, rngs=rngs) for _ in range(depth)])
+    self.ln = nnx.LayerNorm(width, **kw)
+    self.head = nnx.Linear(width, VOCAB, kernel_init=init, **kw)
+
+  def __call__(self, tokens, taps=None):
+    """``taps``, zeros added to the activations, exist only to read their gradients."""
+    seq_len = tokens.shape[-1]
+    x = self.embed(tokens) + self.pos[:seq_len].astype(self.dtype)
+    for i, block in enumerate(self.blocks):
+      x = block(x)
+      if taps is not None:
+        x = x + taps["blocks"][i]
+    logits = self.head(self.ln(x))
+    return logits if taps is None else logits + taps["logits"]
+
+
+def lm_loss(model: TransformerLM, windows: jax.Array, taps=None) -> jax.Array:
+  """Mean next-byte cross-entropy, in float32 whatever the compute dtype."""
+  logits = model(windows[:, :-1], taps)
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), windows[:, 1:]).mean()
+
+
+def make_train_step(loss_weight: float, traces: _common.TraceCounter):
+  """The NNX recipe: scale the loss with the scaler found in the optimizer, then `update`."""
+
+  @nnx.jit
+  @traces
+  def train_step(model, optimizer, windows):
+    scaler = jaxscale.find_scaler(optimizer.opt_state)
+
+    def scaled_loss(model):
+      loss = lm_loss(model, windows)
+      return jaxscale.scale(scaler, loss * loss_weight), loss
+
+    grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
+    optimizer.update(model, grads)  # unscales, checks, skips the step on inf/NaN
+    new = jaxscale.find_scaler(optimizer.opt_state)
+    return loss, scaler.scale, new.last_skipped
+
+  return train_step
+
+
+@nnx.jit
+def eval_loss(model, windows):
+  return lm_loss(model, windows)
+
+
+@nnx.jit
+def activation_and_param_grads(model, windows, scale, loss_weight):
+  """The gradient tensors that exist during backprop, for the loss scaled by ``scale``.
+
+  Parameter gradients, and the gradients of the logits and of every block's
+  output, in the model's compute dtype (read through zero "taps").
+  """
+  batch, length = windows.shape[0], windows.shape[1] - 1
+  width = model.head.in_features
+  zeros = lambda *shape: jnp.zeros(shape, model.dtype)
+  taps = {"blocks": [zeros(batch, length, width) for _ in model.blocks], "logits": zeros(batch, length, VOCAB)}
+  scaler = jaxscale.init(init_scale=scale)
+  fn = lambda model, taps: jaxscale.scale(scaler, lm_loss(model, windows, taps) * loss_weight)
+  param_grads, tap_grads = nnx.grad(fn, argnums=(0, 1))(model, taps)
+  return {"params": param_grads, "logits": tap_grads["logits"], "blocks": tap_grads["blocks"]}
+
+
+def build(args, dtype, seed):
+  return TransformerLM(
+      width=args.width,
+      depth=args.depth,
+      heads=args.heads,
+      seq_len=args.seq_len,
+      dtype=dtype,
+      init_std=args.init_std,
+      rngs=nnx.Rngs(seed),
+  )
+
+
+def gradient_evidence(args, model16, scale, windows):
+  """Zero / subnormal fractions of the gradients, float16 without and with the scale, float32 as reference."""
+  model32 = build(args, jnp.float32, args.seed)
+  nnx.update(model32, nnx.state(model16, nnx.Param))
+  variants = {
+      "float32 (reference)": activation_and_param_grads(model32, windows, 1.0, args.loss_weight),
+      "float16, no scaling": activation_and_param_grads(model16, windows, 1.0, args.loss_weight),
+      f"float16 x {scale:g} (jaxscale)": activation_and_param_grads(model16, windows, scale, args.loss_weight),
+  }
+  groups = {"logits": "gradient of the logits", "blocks": "gradients of the block outputs",
+            "params": "parameter gradients"}
+  print(f"\nGradient elements that are zero / float16-subnormal (< 2^-14), held-out batch, loss weight "
+        f"{args.loss_weight:g}:\n")
+  print("| tensors | " + " | ".join(variants) + " |\n|---|" + "---|" * len(variants))
+  for key, title in groups.items():
+    cells = []
+    for grads in variants.values():
+      f = _common.underflow_fractions(grads[key])
+      cells.append(f"{f['zero']:.1%} zero, {f['subnormal']:.1%} subnormal")
+    print(f"| {title} | " + " | ".join(cells) + " |")
+  return {title: {label: grads[key] for label, grads in variants.items()} for key, title in groups.items()}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  _common.add_flags(parser, steps=600, batch=32, lr=3e-3, out="lm.png")
+  parser.add_argument("--width", type=int, default=128)
+  parser.add_argument("--depth", type=int, default=2)
+  parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--seq-len", type=int, default=64)
+  parser.add_argument("--init-std", type=float, default=0.02, help="std of every weight's normal init")
+  parser.add_argument("--data-mb", type=float, default=4.0, help="megabytes of stdlib source to read")
+  parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+  parser.add_argument("--grad-hist", default="lm_grads.png", help="where to write the gradient histogram")
+  args = parser.parse_args(argv)
+
+  data = load_stdlib_bytes(int(args.data_mb * 2**20))
+  split = int(0.9 * len(data))
+  train_data, heldout = data[:split], data[split:]
+  eval_rng = np.random.default_rng(10_000 + args.seed)
+  eval_windows = [sample_windows(heldout, eval_rng, args.batch, args.seq_len) for _ in range(args.eval_batches)]
+  print(f"{len(data) / 2**20:.1f} MiB of {sysconfig.get_paths()['stdlib']}/**.py: "
+        f"{len(train_data):,} training bytes, {len(heldout):,} held out; {jax.devices()[0].platform}")
+
+  results = []
+  for config in _common.selected_runs(args):
+    model = build(args, config.dtype, args.seed)
+    # Warmup and cosine decay: the runs are compared at the end, where a decayed
+    # learning rate makes the final loss depend less on the path that led there.
+    # Skipped steps do not advance the schedule.
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10
+    )
+    tx = jaxscale.dynamic_loss_scaling(
+        optax.adam(schedule, eps=1e-8 * args.loss_weight), enabled=config.scaling, init_scale=args.init_scale,
+        growth_interval=args.growth_interval,
+    )
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    traces = _common.TraceCounter()
+    train_step = make_train_step(args.loss_weight, traces)
+    rng = np.random.default_rng(args.seed)
+    batches = (sample_windows(train_data, rng, args.batch, args.seq_len) for _ in range(args.steps))
+    evaluate = lambda: {"loss": float(np.mean([eval_loss(model, w) for w in eval_windows]))}
+    results.append(_common.train(config, lambda w: train_step(model, optimizer, w), batches, evaluate, args))
+    traces.assert_once()
+
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  print(f"\nbyte-level Transformer, {n_params:,} parameters, width {args.width}, depth {args.depth}, "
+        f"seq {args.seq_len}, batch {args.batch}, {args.steps} steps, loss weight {args.loss_weight:g}, "
+        f"init std {args.init_std:g}\n")
+  print(_common.results_table(results))
+  if not args.no_plot:
+    _common.plot_runs(results, args.out, title=f"byte-level Transformer LM on the Python stdlib "
+                      f"(loss weight {args.loss_weight:g}, depth {args.depth}, init std {args.init_std:g})")
+  if results[-1].name == _common.RUNS[-1].name:
+    panels = gradient_evidence(args, model, results[-1].final_scale, eval_windows[0])
+    if not args.no_plot:
+      _common.plot_grad_hist(panels, args.grad_hist, title="gradients at the end of the float16 + jaxscale run "
+                             f"(loss weight {args.loss_weight:g}, depth {args.depth}, init std {args.init_std:g})")
+  return results
+
+
+if __name__ == "__main__":
+  main()
