@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.extend import core as jex_core
 
 from jaxscale import _scaler
 
@@ -79,17 +80,77 @@ def dynamic_loss_scaling(
     if finite is None:
       updates, finite = _scaler.unscale_and_check(scaler, updates, axis_name=axis_name)
     finite = jnp.asarray(finite, jnp.bool_) & ~scaler.stalled
-    new_updates, new_inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    # Select, don't branch: a `jnp.where` fuses into the fusions that produce
-    # the new inner state, so a finite step costs no extra pass and XLA can
-    # update the donated state in place; a `lax.cond` carrying the inner state
-    # forces copies of it (jax-ml/jax#39449), and on GPU ships the predicate
-    # to the host. Measured in benchmarks/NOTES.md.
-    updates = jax.tree.map(lambda u: jnp.where(finite, u, -0.0), new_updates)
-    inner_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_inner_state, state.inner_state)
+    updates, inner_state = _update_or_keep(
+        finite, lambda u, s, p: inner.update(u, s, p, **extra_args), updates, state.inner_state, params
+    )
     return updates, DynamicLossScalingState(_scaler.update(scaler, finite), inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _update_or_keep(finite, update, updates, inner_state, params):
+  """``update(updates, inner_state, params)`` if ``finite``, else ``(-0.0, inner_state)``.
+
+  Why not simply `jnp.where(finite, new, old)` on the outputs: Adam's new
+  parameters are computed from the new moments, and with the select in
+  between XLA recomputes them from the old moments, which the select fusion
+  overwrites in place in the donated buffers; to keep them readable it copies
+  every moment first (4.6x plain Adam). A `lax.cond` instead materialises the
+  updates at its boundary, where they can no longer fuse into
+  `apply_updates` (1.3x). So the select goes where each new state leaf is
+  *produced*: `update` runs from its jaxpr, and each new state value is
+  replaced by `where(finite, new, old)` the moment it exists, before anything
+  reads it. The updates are then computed from the selected state, which XLA
+  writes in place exactly as it writes the unwrapped optimizer's, and the
+  step costs what the unwrapped one does (benchmarks/NOTES.md). On a finite
+  step every value equals the unwrapped one; on a skipped step the state
+  is the old one and the updates are masked, whatever they read.
+  """
+  def keep_if_skipped(new, old):
+    return jnp.where(finite, new, old)
+
+  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((updates, inner_state, finite))):
+    # Run eagerly (or under `disable_jit`): no buffers to reuse, and a jaxpr's
+    # jitted sub-calls would round differently from op-by-op execution.
+    new_updates, new_state = update(updates, inner_state, params)
+    return (
+        jax.tree.map(lambda u: jnp.where(finite, u, -0.0).astype(u.dtype), new_updates),
+        jax.tree.map(keep_if_skipped, new_state, inner_state),
+    )
+  closed, out_shape = jax.make_jaxpr(update, return_shape=True)(updates, inner_state, params)
+  jaxpr = closed.jaxpr
+  n_updates = len(jax.tree.leaves(out_shape[0]))
+  new_vars = jaxpr.outvars[n_updates:]
+  old_leaves = jax.tree.leaves(inner_state)
+  counts = {}
+  for v in new_vars:
+    counts[v] = counts.get(v, 0) + 1
+  inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+  # A leaf passed through, or shared by two outputs, is selected at the end.
+  old_of = {
+      v: old
+      for v, old in zip(new_vars, old_leaves)
+      if isinstance(v, jex_core.Var) and counts[v] == 1 and v not in inputs
+  }
+  env = dict(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars, jax.tree.leaves((updates, inner_state, params))))
+  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+  for eqn in jaxpr.eqns:
+    params_ = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params_ = params_ if isinstance(params_, tuple) else ((), params_)
+    with eqn.ctx.manager:
+      outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params_)
+    outs = outs if eqn.primitive.multiple_results else [outs]
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, jex_core.DropVar):
+        env[v] = keep_if_skipped(x, old_of[v]) if v in old_of else x
+  outs = [read(v) for v in jaxpr.outvars]
+  new_updates = [jnp.where(finite, u, -0.0).astype(u.dtype) for u in outs[:n_updates]]
+  new_state = [
+      x if v in old_of else keep_if_skipped(x, old)
+      for v, x, old in zip(new_vars, outs[n_updates:], old_leaves)
+  ]
+  return jax.tree.unflatten(jax.tree.structure(out_shape), new_updates + new_state)
 
 
 def find_scaler(opt_state: Any) -> _scaler.ScalerState:

@@ -271,19 +271,24 @@ def unscale_and_check(
 
   Returns:
     ``(grads, finite)``: the unscaled gradients, and a scalar bool array that
-    is True iff every element of every leaf is finite (on every device of
-    ``axis_name``). Always True when the state is disabled.
+    is True iff every element of every unscaled leaf is finite (on every
+    device of ``axis_name``). Always True when the state is disabled.
   """
   r1, r2 = _reciprocal_factors(state.scale)
-
-  def unscale_leaf(g):
-    if not _is_floating(g):
-      return g
-    wide = _wide(g.dtype)
-    return (g.astype(wide) * r1.astype(wide) * r2.astype(wide)).astype(g.dtype)
-
-  grads = jax.tree.map(unscale_leaf, grads)
+  grads = jax.tree.map(lambda g: _unscale_leaf(g, r1, r2), grads)
+  # The unscaled gradients are checked, not the scaled ones: with a scale
+  # below 1 unscaling can overflow. Checking the scaled ones first (a plain
+  # sum of the gradient buffers, one read, with an exact re-check under a
+  # `cond`) measured ~10% faster on CPU but adds a second collective under
+  # sharding; see benchmarks/NOTES.md.
   return grads, all_finite(grads, state, axis_name=axis_name)
+
+
+def _unscale_leaf(g, r1: jax.Array, r2: jax.Array):
+  if not _is_floating(g):
+    return g
+  wide = _wide(g.dtype)
+  return (g.astype(wide) * r1.astype(wide) * r2.astype(wide)).astype(g.dtype)
 
 
 def _reciprocal_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -296,24 +301,41 @@ def _reciprocal_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   factors fuse into every consumer, and for ``scale = m * 2**e`` they give
   ``g * fl(1/m) * 2**-e``: exactly torch's ``g * fl(1/scale)`` (exact for
   powers of two), and never an intermediate overflow the true quotient lacks.
+
+  Each factor is itself a scalar division (of normal, power-of-two-scaled
+  numbers, so ``fl(1 / (m * 2**h)) == fl(1/m) * 2**-h``): XLA computes it once,
+  instead of inlining the frexp/ldexp arithmetic into every fusion that
+  reads a gradient, which tripled the compile time of an optimizer step.
   """
   mantissa, exponent = jnp.frexp(scale)
   high = exponent - exponent // 2  # ceil(e / 2): r1 <= 1 whenever scale >= 1
-  r1 = jnp.ldexp(1.0 / mantissa, -high)
-  r2 = jnp.ldexp(jnp.ones_like(scale), high - exponent)
+  r1 = 1.0 / jnp.ldexp(mantissa, high)
+  r2 = 1.0 / jnp.ldexp(jnp.ones_like(scale), exponent - high)
   return r1, r2
 
 
 def all_finite(tree: Any, state: ScalerState | None = None, *, axis_name: Any = None) -> jax.Array:
   """A scalar bool array: every element of every floating leaf is finite."""
+  return _agree(_all_finite_local(tree), state, axis_name)
+
+
+def _all_finite_local(tree: Any) -> jax.Array:
   # `x * 0` is 0 for finite x and NaN for inf or NaN, and a sum propagates
-  # NaN: one fused reduction per leaf that reads it once and writes nothing.
+  # NaN: one reduction per leaf that writes nothing of the leaf's size.
   # (`isfinite(x).all()` writes a bool array first; `max` drops NaNs on CPU.)
   total = sum(
       (jnp.sum(g * 0).astype(jnp.float32) for g in jax.tree.leaves(tree) if _is_floating(g)),
       start=jnp.zeros((), jnp.float32),
   )
-  finite = jnp.isfinite(total)
+  # XLA inlines this chain of per-leaf partial sums into every fusion that
+  # reads the flag; routing it through an op XLA will not duplicate (`sqrt`)
+  # cut compile time but changed GSPMD's plan for sharded gradients (an extra
+  # all-reduce of them): not done, see benchmarks/NOTES.md.
+  return jnp.isfinite(total)
+
+
+def _agree(finite: jax.Array, state: ScalerState | None, axis_name: Any) -> jax.Array:
+  """Makes every device of ``axis_name`` agree, and a disabled state always finite."""
   if axis_name is not None:
     finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
   if state is not None:
