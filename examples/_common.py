@@ -74,7 +74,13 @@ def add_flags(parser: argparse.ArgumentParser, *, steps: int, batch: int, lr: fl
       "makes float32 training invariant to it: what changes is only what float16 can represent",
   )
   parser.add_argument("--init-scale", type=float, default=2.0**16, help="jaxscale's first loss scale")
-  parser.add_argument("--growth-interval", type=int, default=2000, help="jaxscale's growth interval")
+  parser.add_argument(
+      "--growth-interval",
+      type=int,
+      default=200,
+      help="jaxscale's growth interval: shorter than torch's 2000, so that a short run shows the "
+      "scale growing, overflowing and backing off",
+  )
   parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: 10 times per run)")
   parser.add_argument(
       "--runs",
@@ -192,7 +198,9 @@ def plot_runs(results: list[Result], path: str, *, title: str, smooth: int = 20)
   """Top: each run's training loss (smoothed) and held-out loss. Bottom: the loss scale, skips marked."""
   plt = _pyplot()
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
-  for r, color in zip(results, ("C0", "C1", "C2")):
+  colors = {config.name: f"C{i}" for i, config in enumerate(RUNS)}  # a run keeps its color in every figure
+  for r in results:
+    color = colors[r.name]
     steps = np.arange(1, len(r.loss) + 1)
     window = min(smooth, len(r.loss))
     smoothed = np.convolve(r.loss, np.ones(window) / window, mode="valid")
@@ -204,8 +212,10 @@ def plot_runs(results: list[Result], path: str, *, title: str, smooth: int = 20)
       bottom.plot(steps[r.skipped], r.scale[r.skipped], "x", color="C3", ms=5,
                   label=f"skipped steps ({int(r.skipped.sum())})")
   top.set_yscale("log")  # float16 without scaling can diverge by orders of magnitude
+  top.yaxis.set_major_formatter(plt.LogFormatter())
+  top.yaxis.set_minor_formatter(plt.LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
   top.set_ylabel("loss")
-  top.set_title(title)
+  top.set_title(title, fontsize=9)
   top.legend(fontsize=7)
   top.grid(alpha=0.3)
   bottom.set_xlabel("step")
