@@ -1,0 +1,363 @@
+"""Step time, compile time and memory of jaxscale against plain optax and its peers.
+
+Every variant of a configuration is compiled in this one process and timed in
+interleaved rounds (A B C A B C ...), so machine noise hits all alike; the
+table reports medians and each median's ratio to the plain optimizer's.
+
+    python benchmarks/bench.py --quick          # < 2 minutes
+    python benchmarks/bench.py                  # the full sweep (tens of minutes on 2 cores)
+
+Writes docs/benchmarks.md and docs/benchmarks.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxscale
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "lion": lambda: optax.lion(1e-4),
+}
+SCALE = 2.0**15
+
+
+# ---------------------------------------------------------------- variants
+# Each variant maps (inner optimizer) to (init(params), step(params, state, grads)),
+# where grads are the gradients of the *scaled* loss for the scaled variants.
+
+
+def plain(inner):
+  def step(params, state, grads):
+    updates, state = inner.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return inner.init, step
+
+
+def jaxscale_wrapper(inner):
+  return plain(jaxscale.dynamic_loss_scaling(inner, init_scale=SCALE))
+
+
+def jmp_apply_if_finite(inner):
+  """jmp's DynamicLossScale for the scale, optax.apply_if_finite for the skip."""
+  import jmp
+
+  tx = optax.apply_if_finite(inner, max_consecutive_errors=10**9)
+
+  # The state holds jmp's arrays, not the object: its hand-written unflatten
+  # rejects the placeholders `jit(...).lower` passes through it.
+  def init(params):
+    return (jnp.float32(SCALE), jnp.int32(0)), tx.init(params)
+
+  def step(params, state, grads):
+    (scale, counter), opt_state = state
+    loss_scale = jmp.DynamicLossScale(scale, counter)
+    grads = loss_scale.unscale(grads)
+    finite = jmp.all_finite(grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    loss_scale = loss_scale.adjust(finite)
+    return optax.apply_updates(params, updates), ((loss_scale.loss_scale, loss_scale.counter), opt_state)
+
+  return init, step
+
+
+def flax_dynamic_scale(inner):
+  """The pattern of flax.training.dynamic_scale.DynamicScale: tree_map where over params and state."""
+  from flax.training import dynamic_scale
+
+  def init(params):
+    return dynamic_scale.DynamicScale(scale=jnp.float32(SCALE)), inner.init(params)
+
+  def step(params, state, grads):
+    scale, opt_state = state
+    # DynamicScale.value_and_grad does this after its grad: unscale, check, adjust.
+    grads = jax.tree.map(lambda g: g / scale.scale, grads)
+    finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    grow = scale.fin_steps == scale.growth_interval
+    fin_scale = jnp.where(grow & finite, jnp.minimum(scale.scale * scale.growth_factor, jnp.finfo(jnp.float32).max), scale.scale)
+    new_scale = scale.replace(
+        fin_steps=jnp.where(grow | ~finite, 0, scale.fin_steps + 1),
+        scale=jnp.where(finite, fin_scale, scale.scale * scale.backoff_factor),
+    )
+    updates, new_opt_state = inner.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    select = lambda new, old: jax.tree.map(functools.partial(jnp.where, finite), new, old)
+    return select(new_params, params), (new_scale, select(new_opt_state, opt_state))
+
+  return init, step
+
+
+VARIANTS = {
+    "plain": plain,
+    "jaxscale": jaxscale_wrapper,
+    "jmp+apply_if_finite": jmp_apply_if_finite,
+    "flax DynamicScale": flax_dynamic_scale,
+}
+# Keras 3's LossScaleOptimizer keeps its state in keras Variables; driving it
+# statelessly under jit needs keras installed with the JAX backend and its
+# `stateless_apply`. Not installed here: skipped (see docs/benchmarks.md).
+
+
+# ---------------------------------------------------------------- the problems
+
+
+def leaf_shapes(n_params: int, n_leaves: int) -> list[tuple[int, ...]]:
+  per_leaf = max(1, n_params // n_leaves)
+  return [(per_leaf,)] * n_leaves
+
+
+def optimizer_problem(n_params, n_leaves, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 2 * n_leaves)
+  shapes = leaf_shapes(n_params, n_leaves)
+  params = [jax.random.normal(k, s) * 0.02 for k, s in zip(keys[:n_leaves], shapes)]
+  grads = [jax.random.normal(k, s) * 1e-3 * SCALE for k, s in zip(keys[n_leaves:], shapes)]
+  return params, grads
+
+
+def lm_init(key, *, vocab, width, depth, seq_len):
+  """A small pre-LayerNorm decoder-only Transformer, float32 master parameters."""
+  keys = iter(jax.random.split(key, 4 + 6 * depth))
+  dense = lambda i, o: jax.random.normal(next(keys), (i, o)) * (i**-0.5)
+  params = {"embed": jax.random.normal(next(keys), (vocab, width)) * 0.02,
+            "pos": jax.random.normal(next(keys), (seq_len, width)) * 0.02, "layers": []}
+  for _ in range(depth):
+    params["layers"].append({
+        "ln1": jnp.ones(width), "qkv": dense(width, 3 * width), "proj": dense(width, width),
+        "ln2": jnp.ones(width), "up": dense(width, 4 * width), "down": dense(4 * width, width),
+    })
+  params["ln_f"] = jnp.ones(width)
+  return params
+
+
+def lm_loss(params, tokens, *, heads):
+  """Next-token cross-entropy with float16 compute (the parameters are cast at use)."""
+  p = jax.tree.map(lambda x: x.astype(jnp.float16), params)
+  x = p["embed"][tokens[:, :-1]] + p["pos"][: tokens.shape[1] - 1]
+  t = x.shape[1]
+  mask = jnp.tril(jnp.ones((t, t), bool))
+
+  def norm(x, g):
+    x32 = x.astype(jnp.float32)
+    x32 = (x32 - x32.mean(-1, keepdims=True)) * jax.lax.rsqrt(x32.var(-1, keepdims=True) + 1e-5)
+    return x32.astype(x.dtype) * g
+
+  for layer in p["layers"]:
+    q, k, v = jnp.split(norm(x, layer["ln1"]) @ layer["qkv"], 3, axis=-1)
+    split = lambda y: y.reshape(*y.shape[:2], heads, -1)
+    att = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / np.sqrt(q.shape[-1] // heads).astype(np.float16)
+    att = jax.nn.softmax(jnp.where(mask, att.astype(jnp.float32), -1e9), -1).astype(x.dtype)
+    x = x + jnp.einsum("bhqk,bkhd->bqhd", att, split(v)).reshape(x.shape) @ layer["proj"]
+    x = x + jax.nn.gelu(norm(x, layer["ln2"]) @ layer["up"]) @ layer["down"]
+  logits = (norm(x, p["ln_f"]) @ p["embed"].T).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def lm_train_step(variant_step, scaled, *, heads):
+  """Forward, backward (of the scaled loss for the scaled variants) and update."""
+
+  def step(params, state, tokens):
+    scale = _current_scale(state) if scaled else 1.0
+    loss_fn = lambda p: lm_loss(p, tokens, heads=heads) * scale
+    grads = jax.grad(loss_fn)(params)
+    return variant_step(params, state, grads)
+
+  return step
+
+
+def _current_scale(state):
+  """The loss scale held by any variant's state."""
+  if isinstance(state, jaxscale.DynamicLossScalingState):
+    return state.scaler.scale
+  return state[0][0] if isinstance(state[0], tuple) else state[0].scale  # jmp's arrays, or Flax's
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def peak_bytes(compiled) -> int:
+  """Peak device memory of one call, from the device when it reports, else XLA's analysis."""
+  stats = jax.devices()[0].memory_stats()
+  if stats and "peak_bytes_in_use" in stats:
+    return int(stats["peak_bytes_in_use"])
+  m = compiled.memory_analysis()
+  # Donated arguments alias outputs: count arguments, outputs not aliased, temporaries.
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+def measure(config, builders, reps):
+  """Compiles every variant, then times them in interleaved rounds."""
+  runs = {}
+  for name, build in builders.items():
+    params, state, args, step = build()
+    fn = jax.jit(step, donate_argnums=(0, 1))
+    t0 = time.perf_counter()
+    compiled = fn.lower(params, state, *args).compile()
+    compile_s = time.perf_counter() - t0
+    text = compiled.as_text()
+    runs[name] = dict(compiled=compiled, params=params, state=state, args=args, compile_s=compile_s,
+                      copies=len(re.findall(r"= \S+ copy\(", text)), memory=peak_bytes(compiled), times=[])
+  for r in range(reps + 2):  # two warm-up rounds
+    for run in runs.values():
+      t0 = time.perf_counter()
+      run["params"], run["state"] = run["compiled"](run["params"], run["state"], *run["args"])
+      jax.block_until_ready(run["params"])
+      if r >= 2:
+        run["times"].append(time.perf_counter() - t0)
+  base = runs["plain"]
+  rows = []
+  for name, run in runs.items():
+    ms = float(np.median(run["times"])) * 1e3
+    rows.append(dict(config, variant=name, ms=ms, ratio=ms / (np.median(base["times"]) * 1e3),
+                     compile_s=run["compile_s"], compile_ratio=run["compile_s"] / base["compile_s"],
+                     memory_mb=run["memory"] / 2**20, memory_ratio=run["memory"] / base["memory"],
+                     copies=run["copies"]))
+    print(f"  {name:22s} {ms:8.2f} ms  x{rows[-1]['ratio']:.2f}  compile {run['compile_s']:.2f}s "
+          f"(x{rows[-1]['compile_ratio']:.2f})  mem x{rows[-1]['memory_ratio']:.3f}  copies {run['copies']}", flush=True)
+  del runs
+  return rows
+
+
+def optimizer_builders(opt, n_params, n_leaves, variants):
+  def build(variant):
+    init, step = VARIANTS[variant](OPTIMIZERS[opt]())
+    params, grads = optimizer_problem(n_params, n_leaves)
+    if variant == "plain":  # the true gradients
+      grads = [g / SCALE for g in grads]
+    return params, init(params), (grads,), step
+
+  return {v: functools.partial(build, v) for v in variants}
+
+
+def lm_builders(opt, width, depth, variants, *, seq_len=128, batch=8, heads=4):
+  def build(variant):
+    init, step = VARIANTS[variant](OPTIMIZERS[opt]())
+    params = lm_init(jax.random.key(0), vocab=256, width=width, depth=depth, seq_len=seq_len)
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, 256)
+    return params, init(params), (tokens,), lm_train_step(step, variant != "plain", heads=heads)
+
+  return {v: functools.partial(build, v) for v in variants}
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      names = re.findall(r"model name\s*:\s*(.*)", f.read())
+    return f"{names[0]} ({len(names)} cores)" if names else platform.processor()
+  except OSError:
+    return platform.processor()
+
+
+def write_markdown(rows, path, args):
+  device = jax.devices()[0]
+  lines = [
+      "# Benchmarks",
+      "",
+      f"Generated by `python benchmarks/bench.py{' --quick' if args.quick else ''}` "
+      f"(jax {jax.__version__}, optax {optax.__version__}) on **{device.platform.upper()}: {cpu_name()}**. "
+      "No GPU was available for these figures.",
+      "",
+      "Each configuration's variants were compiled in one process and timed in interleaved rounds "
+      f"({args.reps} rounds, medians). Ratios are to the plain optimizer on the true gradients; "
+      "parameters and optimizer state are donated. *copies* counts `copy` instructions in the "
+      "optimized HLO (a copy of a donated buffer is an extra pass and an extra buffer). Memory "
+      "is the compiled executable's footprint (arguments + non-aliased outputs + temporaries: "
+      "the CPU client reports no `memory_stats()`).",
+      "",
+      "Keras 3's `LossScaleOptimizer` is not included: keras is not installed in this "
+      "environment, and it keeps its state in keras Variables, driven statelessly only through "
+      "`stateless_apply`.",
+      "",
+      "| problem | optimizer | params | leaves | variant | step ms | step ratio | compile s | compile ratio | memory ratio | copies |",
+      "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for r in rows:
+    lines.append(
+        f"| {r['problem']} | {r['opt']} | {r['params']/1e6:.1f}M | {r['leaves']} | {r['variant']} | "
+        f"{r['ms']:.2f} | {r['ratio']:.2f} | {r['compile_s']:.2f} | {r['compile_ratio']:.2f} | "
+        f"{r['memory_ratio']:.3f} | {r['copies']} |"
+    )
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+def write_chart(rows, path):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  configs = list(dict.fromkeys((r["problem"], r["opt"], r["params"], r["leaves"]) for r in rows))
+  variants = [v for v in VARIANTS if v != "plain" and any(r["variant"] == v for r in rows)]
+  fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(configs)), 4))
+  width = 0.8 / len(variants)
+  for i, v in enumerate(variants):
+    ys = [next((r["ratio"] for r in rows if (r["problem"], r["opt"], r["params"], r["leaves"]) == c and r["variant"] == v), np.nan)
+          for c in configs]
+    ax.bar(np.arange(len(configs)) + i * width, ys, width, label=v)
+  ax.axhline(1.0, color="k", lw=0.8)
+  ax.set_xticks(np.arange(len(configs)) + 0.4 - width / 2)
+  ax.set_xticklabels([f"{p}\n{o}\n{n/1e6:.0f}M/{l}" for p, o, n, l in configs], fontsize=7)
+  ax.set_ylabel("step time / plain optimizer")
+  ax.set_title(f"Loss scaling overhead, {jax.devices()[0].platform.upper()} ({cpu_name()})", fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true", help="a few configurations, in under 2 minutes")
+  parser.add_argument("--reps", type=int, default=None, help="timed rounds per configuration")
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs"))
+  args = parser.parse_args()
+  args.reps = args.reps or (7 if args.quick else 15)
+  all_variants = list(VARIANTS)
+
+  if args.quick:
+    opt_configs = [("adam", 8_000_000, 48, all_variants), ("adam", 1_000_000, 1000, ["plain", "jaxscale"])]
+    lm_configs = [("adam", 128, 2)]
+  else:
+    opt_configs = (
+        [(o, 8_000_000, 48, all_variants) for o in OPTIMIZERS]
+        + [("adam", n, 48, all_variants) for n in (1_000_000, 32_000_000, 100_000_000)]
+        + [("adam", 8_000_000, l, ["plain", "jaxscale"]) for l in (10, 1000)]
+    )
+    lm_configs = [("adam", 256, 4), ("adamw", 512, 6)]
+
+  rows = []
+  for opt, n, leaves, variants in opt_configs:
+    print(f"optimizer step: {opt}, {n/1e6:.0f}M params, {leaves} leaves", flush=True)
+    config = dict(problem="optimizer step", opt=opt, params=n, leaves=leaves)
+    rows += measure(config, optimizer_builders(opt, n, leaves, variants), args.reps)
+  for opt, width, depth in lm_configs:
+    shapes = jax.eval_shape(lambda: lm_init(jax.random.key(0), vocab=256, width=width, depth=depth, seq_len=128))
+    n = sum(x.size for x in jax.tree.leaves(shapes))
+    print(f"fp16 LM train step: {opt}, width {width}, depth {depth}: {n/1e6:.1f}M params", flush=True)
+    config = dict(problem="fp16 LM step", opt=opt, params=n, leaves=len(jax.tree.leaves(shapes)))
+    rows += measure(config, lm_builders(opt, width, depth, all_variants), args.reps)
+
+  os.makedirs(args.out, exist_ok=True)
+  write_markdown(rows, os.path.join(args.out, "benchmarks.md"), args)
+  write_chart(rows, os.path.join(args.out, "benchmarks.png"))
+  print("wrote", os.path.join(args.out, "benchmarks.md"), "and benchmarks.png")
+
+
+if __name__ == "__main__":
+  main()
