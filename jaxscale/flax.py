@@ -108,6 +108,16 @@ def value_and_grad(
     ``(value, grads, finite)``: ``fun``'s own (unscaled) value, the unscaled
     gradients as an ``nnx.State``, and the finite flag. Pass the flag on with
     ``optimizer.update(model, grads, finite=finite)``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxscale, jaxscale.flax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> loss_fn = lambda model: jnp.sum(model(jnp.ones((1, 2))))
+    >>> scaler = jaxscale.init(init_scale=1024.0)
+    >>> loss, grads, finite = jaxscale.flax.value_and_grad(loss_fn)(scaler, model)
+    >>> grads["bias"][...], bool(finite)
+    (Array([1.], dtype=float32), True)
   """
 
   def wrapped(state: _scaler.ScalerState, *args: Any, **kwargs: Any):
