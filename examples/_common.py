@@ -71,7 +71,7 @@ def add_flags(parser: argparse.ArgumentParser, *, steps: int, batch: int, lr: fl
       default=1.0,
       help="multiply the loss by this before differentiating: a small weight (1e-3) makes the "
       "gradients small enough to underflow in float16. Adam's eps is multiplied by it too, which "
-      "makes float32 training invariant to it: what changes is only what float16 can represent",
+      "leaves float32 training unchanged up to rounding: what changes is what float16 can represent",
   )
   parser.add_argument("--init-scale", type=float, default=2.0**16, help="jaxscale's first loss scale")
   parser.add_argument(
