@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any, NamedTuple
 
 import jax
@@ -91,66 +92,72 @@ def dynamic_loss_scaling(
 def _update_or_keep(finite, update, updates, inner_state, params):
   """``update(updates, inner_state, params)`` if ``finite``, else ``(-0.0, inner_state)``.
 
-  Why not simply `jnp.where(finite, new, old)` on the outputs: Adam's new
+  Why not simply ``jnp.where(finite, new, old)`` on the outputs: Adam's new
   parameters are computed from the new moments, and with the select in
   between XLA recomputes them from the old moments, which the select fusion
   overwrites in place in the donated buffers; to keep them readable it copies
-  every moment first (4.6x plain Adam). A `lax.cond` instead materialises the
-  updates at its boundary, where they can no longer fuse into
-  `apply_updates` (1.3x). So the select goes where each new state leaf is
-  *produced*: `update` runs from its jaxpr, and each new state value is
-  replaced by `where(finite, new, old)` the moment it exists, before anything
-  reads it. The updates are then computed from the selected state, which XLA
-  writes in place exactly as it writes the unwrapped optimizer's, and the
-  step costs what the unwrapped one does (benchmarks/NOTES.md). On a finite
-  step every value equals the unwrapped one; on a skipped step the state
-  is the old one and the updates are masked, whatever they read.
+  every moment first (4.6x plain Adam). A ``lax.cond`` instead materialises
+  the updates at its boundary, where they can no longer fuse into
+  ``apply_updates`` (1.3x). So the select goes where each new state leaf is
+  *produced*: ``update`` runs from its jaxpr, and each new state value is
+  replaced by ``where(finite, new, old)`` the moment it exists, before
+  anything reads it. The updates are then computed from the selected state,
+  which XLA writes in place exactly as it writes the unwrapped optimizer's
+  (benchmarks/NOTES.md). On a finite step every value equals the unwrapped
+  one; on a skipped step the state is the old one and the updates are
+  masked, whatever they read.
   """
+
   def keep_if_skipped(new, old):
     return jnp.where(finite, new, old)
 
+  def mask(u):
+    return jnp.where(finite, u, -0.0).astype(u.dtype)
+
   if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((updates, inner_state, finite))):
-    # Run eagerly (or under `disable_jit`): no buffers to reuse, and a jaxpr's
-    # jitted sub-calls would round differently from op-by-op execution.
+    # Op by op (eagerly, or under `disable_jit`) there are no buffers to
+    # reuse, and the jaxpr's jitted sub-calls would round differently.
     new_updates, new_state = update(updates, inner_state, params)
-    return (
-        jax.tree.map(lambda u: jnp.where(finite, u, -0.0).astype(u.dtype), new_updates),
-        jax.tree.map(keep_if_skipped, new_state, inner_state),
-    )
+    return jax.tree.map(mask, new_updates), jax.tree.map(keep_if_skipped, new_state, inner_state)
+
   closed, out_shape = jax.make_jaxpr(update, return_shape=True)(updates, inner_state, params)
-  jaxpr = closed.jaxpr
   n_updates = len(jax.tree.leaves(out_shape[0]))
-  new_vars = jaxpr.outvars[n_updates:]
+  state_vars = closed.jaxpr.outvars[n_updates:]
   old_leaves = jax.tree.leaves(inner_state)
-  counts = {}
-  for v in new_vars:
-    counts[v] = counts.get(v, 0) + 1
-  inputs = set(jaxpr.invars) | set(jaxpr.constvars)
-  # A leaf passed through, or shared by two outputs, is selected at the end.
-  old_of = {
-      v: old
-      for v, old in zip(new_vars, old_leaves)
-      if isinstance(v, jex_core.Var) and counts[v] == 1 and v not in inputs
-  }
-  env = dict(zip(jaxpr.constvars, closed.consts))
-  env.update(zip(jaxpr.invars, jax.tree.leaves((updates, inner_state, params))))
-  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
-  for eqn in jaxpr.eqns:
-    params_ = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params_ = params_ if isinstance(params_, tuple) else ((), params_)
-    with eqn.ctx.manager:
-      outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params_)
-    outs = outs if eqn.primitive.multiple_results else [outs]
-    for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, jex_core.DropVar):
-        env[v] = keep_if_skipped(x, old_of[v]) if v in old_of else x
-  outs = [read(v) for v in jaxpr.outvars]
-  new_updates = [jnp.where(finite, u, -0.0).astype(u.dtype) for u in outs[:n_updates]]
+  produced = {v for eqn in closed.jaxpr.eqns for v in eqn.outvars}
+  repeats = collections.Counter(state_vars)
+  # A leaf passed through unchanged, or output twice, is selected at the end.
+  old_of = {v: old for v, old in zip(state_vars, old_leaves) if v in produced and repeats[v] == 1}
+  outs = _eval_jaxpr(
+      closed,
+      jax.tree.leaves((updates, inner_state, params)),
+      on_output=lambda v, x: keep_if_skipped(x, old_of[v]) if v in old_of else x,
+  )
+  new_updates = [mask(u) for u in outs[:n_updates]]
   new_state = [
       x if v in old_of else keep_if_skipped(x, old)
-      for v, x, old in zip(new_vars, outs[n_updates:], old_leaves)
+      for v, x, old in zip(state_vars, outs[n_updates:], old_leaves)
   ]
   return jax.tree.unflatten(jax.tree.structure(out_shape), new_updates + new_state)
+
+
+def _eval_jaxpr(closed, args, *, on_output):
+  """``jax.core.eval_jaxpr``, passing each equation's outputs through ``on_output``."""
+  env = dict(zip(closed.jaxpr.constvars, closed.consts))
+  env.update(zip(closed.jaxpr.invars, args))
+
+  def read(v):
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+  for eqn in closed.jaxpr.eqns:
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    # Older jax releases return `(subfuns, params)`; newer ones fold subfuns into params.
+    subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+    with eqn.ctx.manager:
+      outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
+    for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
+      env[v] = on_output(v, x)
+  return [read(v) for v in closed.jaxpr.outvars]
 
 
 def find_scaler(opt_state: Any) -> _scaler.ScalerState:
