@@ -33,18 +33,18 @@ def value_and_grad(
     (9.0, 6.0, True)
   """
 
-  def scaled_fun(state, *args, **kwargs):
-    out = fun(*args, **kwargs)
-    loss = out[0] if has_aux else out
-    return _scaler.scale(state, loss), out
+  return value_and_grad_with(jax.grad, fun, argnums, has_aux, axis_name)
+
+
+def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
+  """:func:`value_and_grad` built on ``grad`` (``jax.grad``, ``nnx.grad``, ...)."""
 
   def wrapped(state, *args, **kwargs):
-    grad_fn = jax.grad(
-        lambda *a, **k: scaled_fun(state, *a, **k),
-        argnums=argnums,
-        has_aux=True,
-    )
-    grads, value = grad_fn(*args, **kwargs)
+    def scaled_fun(*args, **kwargs):
+      out = fun(*args, **kwargs)
+      return _scaler.scale(state, out[0] if has_aux else out), out
+
+    grads, value = grad(scaled_fun, argnums=argnums, has_aux=True)(*args, **kwargs)
     grads, finite = _scaler.unscale_and_check(state, grads, axis_name=axis_name)
     return value, grads, finite
 

@@ -79,7 +79,7 @@ from typing import Any, Callable, Sequence
 import jax
 from flax import nnx
 
-from jaxscale import _scaler
+from jaxscale import _grad
 
 
 def value_and_grad(
@@ -120,13 +120,4 @@ def value_and_grad(
     (Array([1.], dtype=float32), True)
   """
 
-  def wrapped(state: _scaler.ScalerState, *args: Any, **kwargs: Any):
-    def scaled_fun(*args, **kwargs):
-      out = fun(*args, **kwargs)
-      return _scaler.scale(state, out[0] if has_aux else out), out
-
-    grads, value = nnx.grad(scaled_fun, argnums=argnums, has_aux=True)(*args, **kwargs)
-    grads, finite = _scaler.unscale_and_check(state, grads, axis_name=axis_name)
-    return value, grads, finite
-
-  return wrapped
+  return _grad.value_and_grad_with(nnx.grad, fun, argnums, has_aux, axis_name)
