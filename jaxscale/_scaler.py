@@ -244,14 +244,7 @@ def scale(state: ScalerState, tree: Any) -> Any:
         f"floating leaf), but got leaves of dtypes {dtypes}."
     )
 
-  def scale_leaf(x):
-    if not _is_floating(x):
-      return x
-    x = jnp.asarray(x)
-    wide = _wide(x.dtype)
-    return (x.astype(wide) * state.scale.astype(wide)).astype(x.dtype)
-
-  return jax.tree.map(scale_leaf, tree)
+  return jax.tree.map(lambda x: _times(x, state.scale), tree)
 
 
 def unscale_and_check(
@@ -275,20 +268,33 @@ def unscale_and_check(
     device of ``axis_name``). Always True when the state is disabled.
   """
   r1, r2 = _reciprocal_factors(state.scale)
-  grads = jax.tree.map(lambda g: _unscale_leaf(g, r1, r2), grads)
-  # The unscaled gradients are checked, not the scaled ones: with a scale
-  # below 1 unscaling can overflow. Checking the scaled ones first (a plain
-  # sum of the gradient buffers, one read, with an exact re-check under a
-  # `cond`) measured ~10% faster on CPU but adds a second collective under
-  # sharding; see benchmarks/NOTES.md.
-  return grads, all_finite(grads, state, axis_name=axis_name)
+  unscaled = jax.tree.map(lambda g: _times(g, r1, r2), grads)
+  # The flag must hold for the unscaled gradients, but it is computed from
+  # the scaled ones as they lie in memory: then XLA reads each buffer once in
+  # the reduction and writes nothing, where a reduction over `unscaled` made
+  # it write all the unscaled gradients out first (an extra gradient-sized
+  # buffer and two extra passes; benchmarks/NOTES.md). The two flags agree:
+  # a scale >= 1 only shrinks finite values, and a scale < 1 (the only case
+  # where unscaling can overflow) is a normal number whose exact reciprocal
+  # is probed.
+  probe_factor = jnp.where(state.scale < 1, 1 / state.scale, 0.0)
+  probes = jax.tree.map(lambda g: _times(g, probe_factor), grads)
+  return unscaled, all_finite(probes, state, axis_name=axis_name)
 
 
-def _unscale_leaf(g, r1: jax.Array, r2: jax.Array):
-  if not _is_floating(g):
-    return g
-  wide = _wide(g.dtype)
-  return (g.astype(wide) * r1.astype(wide) * r2.astype(wide)).astype(g.dtype)
+def _times(x, *factors: jax.Array):
+  """``x * factors``, formed in at least float32 and returned in ``x``'s dtype.
+
+  Non-floating leaves are returned as they are.
+  """
+  if not _is_floating(x):
+    return x
+  x = jnp.asarray(x)
+  wide = _wide(x.dtype)
+  product = x.astype(wide)
+  for factor in factors:
+    product = product * factor.astype(wide)
+  return product.astype(x.dtype)
 
 
 def _reciprocal_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -303,3 +303,19 @@ def test_value_and_grad_returns_unscaled_value_and_grads():
   assert bool(finite) and aux == {"n": 2}
   np.testing.assert_array_equal(value, want_value)
   np.testing.assert_array_equal(grads, want_grads)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=["f16", "bf16", "f32"])
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    log2_scale=st.floats(-20, 127),
+    values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=8),
+)
+def test_flag_is_finiteness_of_the_unscaled_gradients(dtype, log2_scale, values):
+  # The flag is computed from the scaled buffers (see unscale_and_check); it
+  # must still say exactly whether the *unscaled* gradients are all finite.
+  state = jaxscale.init(init_scale=float(np.float32(2.0**log2_scale)))
+  with np.errstate(over="ignore"):
+    grads = {"g": jnp.asarray(np.asarray(values, np.float32).astype(dtype))}
+  unscaled, finite = jax.jit(jaxscale.unscale_and_check)(state, grads)
+  assert bool(finite) == bool(np.isfinite(np.asarray(unscaled["g"], np.float32)).all())
