@@ -253,7 +253,7 @@ def unscale_and_check(
   """Divides gradients by the loss scale and checks that they are finite.
 
   Each leaf keeps its dtype; integer and ``float0`` leaves pass through.
-  The division is exact for power-of-two scales across the whole float32
+  Unscaling is exact for power-of-two scales across the whole float32
   range (see :func:`_reciprocal_factors`).
 
   Args:
@@ -279,7 +279,7 @@ def unscale_and_check(
   # is probed.
   probe_factor = jnp.where(state.scale < 1, 1 / state.scale, 0.0)
   probes = jax.tree.map(lambda g: _times(g, probe_factor), grads)
-  return unscaled, all_finite(probes, state, axis_name=axis_name)
+  return unscaled, _agree(_all_finite_local(probes), state, axis_name)
 
 
 def _times(x, *factors: jax.Array):
@@ -320,9 +320,22 @@ def _reciprocal_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   return r1, r2
 
 
-def all_finite(tree: Any, state: ScalerState | None = None, *, axis_name: Any = None) -> jax.Array:
-  """A scalar bool array: every element of every floating leaf is finite."""
-  return _agree(_all_finite_local(tree), state, axis_name)
+def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
+  """A scalar bool array: every element of every floating leaf of ``tree`` is finite.
+
+  The check :func:`unscale_and_check` makes, for trees that need no unscaling.
+
+  Args:
+    tree: any pytree; non-floating leaves are ignored.
+    axis_name: inside ``shard_map`` or ``pmap``, the axis (or axes) over which
+      every device must agree.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxscale
+    >>> jaxscale.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
+    Array(False, dtype=bool)
+  """
+  return _agree(_all_finite_local(tree), None, axis_name)
 
 
 def _all_finite_local(tree: Any) -> jax.Array:
