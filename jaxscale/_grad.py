@@ -32,7 +32,6 @@ def value_and_grad(
     >>> float(loss), float(grads), bool(finite)
     (9.0, 6.0, True)
   """
-
   return value_and_grad_with(jax.grad, fun, argnums, has_aux, axis_name)
 
 

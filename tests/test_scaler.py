@@ -319,3 +319,15 @@ def test_flag_is_finiteness_of_the_unscaled_gradients(dtype, log2_scale, values)
     grads = {"g": jnp.asarray(np.asarray(values, np.float32).astype(dtype))}
   unscaled, finite = jax.jit(jaxscale.unscale_and_check)(state, grads)
   assert bool(finite) == bool(np.isfinite(np.asarray(unscaled["g"], np.float32)).all())
+
+
+def test_all_finite_ignores_integers_and_agrees_over_an_axis():
+  tree = {"w": jnp.ones((4, 3)), "n": jnp.arange(4)}
+  assert bool(jaxscale.all_finite(tree))
+  poisoned = {**tree, "w": tree["w"].at[2, 1].set(jnp.nan)}
+  assert not bool(jaxscale.all_finite(poisoned))
+  # Mapped over the leading axis, row 2 alone holds the NaN; with `axis_name` every row agrees.
+  per_row = jax.vmap(jaxscale.all_finite)(poisoned)
+  agreed = jax.vmap(lambda t: jaxscale.all_finite(t, axis_name="rows"), axis_name="rows")(poisoned)
+  np.testing.assert_array_equal(per_row, [True, True, False, True])
+  np.testing.assert_array_equal(agreed, [False] * 4)
