@@ -32,31 +32,42 @@ OPTIMIZERS = {
     "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
     "lion": lambda: optax.lion(1e-4),
 }
+# The nearest keras 3 equivalents (keras's Adam adds epsilon before the bias correction).
+KERAS_OPTIMIZERS = {
+    "adam": lambda keras: keras.optimizers.Adam(1e-3, epsilon=1e-8),
+    "adamw": lambda keras: keras.optimizers.AdamW(1e-3, weight_decay=0.1, epsilon=1e-8),
+    "sgd_momentum": lambda keras: keras.optimizers.SGD(1e-2, momentum=0.9),
+    "lion": lambda keras: keras.optimizers.Lion(1e-4, weight_decay=1e-3),  # optax.lion's default decay
+}
 SCALE = 2.0**15
 
 
 # ---------------------------------------------------------------- variants
-# Each variant maps (inner optimizer) to (init(params), step(params, state, grads)),
-# where grads are the gradients of the *scaled* loss for the scaled variants.
+# Each variant maps an optimizer name to (init(params), step(params, state, grads)),
+# where grads are the gradients of the *scaled* loss, except for the UNSCALED variants.
 
 
-def plain(inner):
+def optax_variant(tx):
   def step(params, state, grads):
-    updates, state = inner.update(grads, state, params)
+    updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  return inner.init, step
+  return tx.init, step
 
 
-def jaxscale_wrapper(inner):
-  return plain(jaxscale.dynamic_loss_scaling(inner, init_scale=SCALE))
+def plain(opt):
+  return optax_variant(OPTIMIZERS[opt]())
 
 
-def jmp_apply_if_finite(inner):
+def jaxscale_wrapper(opt):
+  return optax_variant(jaxscale.dynamic_loss_scaling(OPTIMIZERS[opt](), init_scale=SCALE))
+
+
+def jmp_apply_if_finite(opt):
   """jmp's DynamicLossScale for the scale, optax.apply_if_finite for the skip."""
   import jmp
 
-  tx = optax.apply_if_finite(inner, max_consecutive_errors=10**9)
+  tx = optax.apply_if_finite(OPTIMIZERS[opt](), max_consecutive_errors=10**9)
 
   # The state holds jmp's arrays, not the object: its hand-written unflatten
   # rejects the placeholders `jit(...).lower` passes through it.
@@ -75,9 +86,11 @@ def jmp_apply_if_finite(inner):
   return init, step
 
 
-def flax_dynamic_scale(inner):
+def flax_dynamic_scale(opt):
   """The pattern of flax.training.dynamic_scale.DynamicScale: tree_map where over params and state."""
   from flax.training import dynamic_scale
+
+  inner = OPTIMIZERS[opt]()
 
   def init(params):
     return dynamic_scale.DynamicScale(scale=jnp.float32(SCALE)), inner.init(params)
@@ -101,15 +114,50 @@ def flax_dynamic_scale(inner):
   return init, step
 
 
+@functools.cache
+def import_keras():
+  """keras 3 on the JAX backend, or None where it cannot be imported."""
+  os.environ["KERAS_BACKEND"] = "jax"  # keras reads it once, at its first import
+  try:
+    import keras
+  except ImportError:
+    return None
+  return keras if keras.backend.backend() == "jax" else None
+
+
+def keras_variant(opt, loss_scale):
+  """The keras twin of `opt`, alone or in keras's LossScaleOptimizer, through `stateless_apply`.
+
+  The state is the optimizer's variables as arrays, by path.
+  """
+  keras = import_keras()
+  tx = KERAS_OPTIMIZERS[opt](keras)
+  if loss_scale:  # halves on an overflow, doubles after 2000 finite steps, like the others
+    tx = keras.optimizers.LossScaleOptimizer(tx, initial_scale=SCALE, name="loss_scale")
+
+  def init(params):
+    tx.build([keras.Variable(p) for p in jax.tree.leaves(params)])
+    return {v.path: v.value for v in tx.variables}
+
+  def step(params, state, grads):
+    paths = [v.path for v in tx.variables]
+    leaves, treedef = jax.tree.flatten(params)
+    leaves, values = tx.stateless_apply([state[p] for p in paths], jax.tree.leaves(grads), leaves)
+    return treedef.unflatten(leaves), dict(zip(paths, values))
+
+  return init, step
+
+
 VARIANTS = {
     "plain": plain,
     "jaxscale": jaxscale_wrapper,
     "jmp+apply_if_finite": jmp_apply_if_finite,
     "flax DynamicScale": flax_dynamic_scale,
+    "plain keras": functools.partial(keras_variant, loss_scale=False),
+    "keras LossScaleOptimizer": functools.partial(keras_variant, loss_scale=True),
 }
-# Keras 3's LossScaleOptimizer keeps its state in keras Variables; driving it
-# statelessly under jit needs keras installed with the JAX backend and its
-# `stateless_apply`. Not installed here: skipped (see docs/benchmarks.md).
+UNSCALED = ("plain", "plain keras")  # stepped on the true gradients
+KERAS_VARIANTS = ("plain keras", "keras LossScaleOptimizer")
 
 
 # ---------------------------------------------------------------- the problems
@@ -179,9 +227,11 @@ def lm_train_step(variant_step, scaled, *, heads):
 
 
 def _current_scale(state):
-  """The loss scale held by any variant's state."""
+  """The loss scale held by any scaled variant's state."""
   if isinstance(state, jaxscale.DynamicLossScalingState):
     return state.scaler.scale
+  if isinstance(state, dict):  # keras's variables by path
+    return state["loss_scale/dynamic_scale"]
   return state[0][0] if isinstance(state[0], tuple) else state[0].scale  # jmp's arrays, or Flax's
 
 
@@ -225,7 +275,7 @@ def measure(config, builders, reps):
                      compile_s=run["compile_s"], compile_ratio=run["compile_s"] / base["compile_s"],
                      memory_mb=run["memory"] / 2**20, memory_ratio=run["memory"] / base["memory"],
                      copies=run["copies"]))
-    print(f"  {name:22s} {ms:8.2f} ms  x{rows[-1]['ratio']:.2f}  compile {run['compile_s']:.2f}s "
+    print(f"  {name:24s} {ms:8.2f} ms  x{rows[-1]['ratio']:.2f}  compile {run['compile_s']:.2f}s "
           f"(x{rows[-1]['compile_ratio']:.2f})  mem x{rows[-1]['memory_ratio']:.3f}  copies {run['copies']}", flush=True)
   del runs
   return rows
@@ -233,9 +283,9 @@ def measure(config, builders, reps):
 
 def optimizer_builders(opt, n_params, n_leaves, variants):
   def build(variant):
-    init, step = VARIANTS[variant](OPTIMIZERS[opt]())
+    init, step = VARIANTS[variant](opt)
     params, grads = optimizer_problem(n_params, n_leaves)
-    if variant == "plain":  # the true gradients
+    if variant in UNSCALED:  # the true gradients
       grads = [g / SCALE for g in grads]
     return params, init(params), (grads,), step
 
@@ -244,10 +294,10 @@ def optimizer_builders(opt, n_params, n_leaves, variants):
 
 def lm_builders(opt, width, depth, variants, *, seq_len=128, batch=8, heads=4):
   def build(variant):
-    init, step = VARIANTS[variant](OPTIMIZERS[opt]())
+    init, step = VARIANTS[variant](opt)
     params = lm_init(jax.random.key(0), vocab=256, width=width, depth=depth, seq_len=seq_len)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, 256)
-    return params, init(params), (tokens,), lm_train_step(step, variant != "plain", heads=heads)
+    return params, init(params), (tokens,), lm_train_step(step, variant not in UNSCALED, heads=heads)
 
   return {v: functools.partial(build, v) for v in variants}
 
@@ -274,16 +324,13 @@ def write_markdown(rows, path, args):
       "No GPU was available for these figures.",
       "",
       "Each configuration's variants were compiled in one process and timed in interleaved rounds "
-      f"({args.reps} rounds, medians). Ratios are to the plain optimizer on the true gradients; "
+      f"({args.reps} rounds, medians). Ratios are to the plain optax optimizer on the true gradients; "
       "parameters and optimizer state are donated. *copies* counts `copy` instructions in the "
       "optimized HLO (a copy of a donated buffer is an extra pass and an extra buffer). Memory "
       "is the compiled executable's footprint (arguments + non-aliased outputs + temporaries: "
       "the CPU client reports no `memory_stats()`).",
       "",
-      "Keras 3's `LossScaleOptimizer` is not included: keras is not installed in this "
-      "environment, and it keeps its state in keras Variables, driven statelessly only through "
-      "`stateless_apply`.",
-      "",
+      *keras_text(rows),
       "| problem | optimizer | params | leaves | variant | step ms | step ratio | compile s | compile ratio | memory ratio | copies |",
       "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
@@ -293,8 +340,50 @@ def write_markdown(rows, path, args):
         f"{r['ms']:.2f} | {r['ratio']:.2f} | {r['compile_s']:.2f} | {r['compile_ratio']:.2f} | "
         f"{r['memory_ratio']:.3f} | {r['copies']} |"
     )
+  lines += keras_table(rows)
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
+
+
+def keras_text(rows):
+  """What the keras rows are, or why there are none."""
+  if not any(r["variant"] in KERAS_VARIANTS for r in rows):
+    return ["Keras 3's `LossScaleOptimizer` is not included: keras 3 with the JAX backend could not "
+            "be imported (`pip install keras`, an optional `bench` dependency).", ""]
+  return [
+      f"Keras 3's `LossScaleOptimizer` (keras {import_keras().__version__}, JAX backend) runs through "
+      "its `stateless_apply` in the same donated `jax.jit` step, with `initial_scale=2**15` so it "
+      "unscales by the same scale as the others (it also halves on an overflow and doubles after "
+      "2000 finite steps), and skips with an `ops.cond` (a `lax.cond`) around the whole update. "
+      "It wraps the nearest keras optimizer (`Adam`, `AdamW`, `SGD` with momentum, `Lion`, with "
+      "optax's hyperparameters; keras's Adam adds epsilon before the bias correction). Its ratios "
+      "in the main table are to plain **optax**, like every row's, so they include the difference "
+      "between keras's optimizer and optax's: the *plain keras* row is that keras optimizer "
+      "alone on the true gradients, and the second table gives `LossScaleOptimizer` relative to "
+      "*plain keras*, the cost of its loss scaling alone.",
+      "",
+  ]
+
+
+def keras_table(rows):
+  """`keras LossScaleOptimizer` relative to `plain keras`, per configuration."""
+  config = lambda r: (r["problem"], r["opt"], r["params"], r["leaves"])
+  bases = {config(r): r for r in rows if r["variant"] == "plain keras"}
+  lines = [
+      f"| {r['problem']} | {r['opt']} | {r['params']/1e6:.1f}M | {r['leaves']} | {r['ms'] / b['ms']:.2f} | "
+      f"{r['compile_s'] / b['compile_s']:.2f} | {r['memory_ratio'] / b['memory_ratio']:.3f} | {b['copies']} -> {r['copies']} |"
+      for r in rows if r["variant"] == "keras LossScaleOptimizer" and (b := bases.get(config(r)))
+  ]
+  if not lines:
+    return []
+  return [
+      "",
+      "`keras LossScaleOptimizer` relative to `plain keras` (the same keras optimizer, no loss scaling):",
+      "",
+      "| problem | optimizer | params | leaves | step ratio | compile ratio | memory ratio | copies |",
+      "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+      *lines,
+  ]
 
 
 def write_chart(rows, path):
@@ -314,7 +403,7 @@ def write_chart(rows, path):
   ax.axhline(1.0, color="k", lw=0.8)
   ax.set_xticks(np.arange(len(configs)) + 0.4 - width / 2)
   ax.set_xticklabels([f"{p}\n{o}\n{n/1e6:.0f}M/{l}" for p, o, n, l in configs], fontsize=7)
-  ax.set_ylabel("step time / plain optimizer")
+  ax.set_ylabel("step time / plain optax optimizer")
   ax.set_title(f"Loss scaling overhead, {jax.devices()[0].platform.upper()} ({cpu_name()})", fontsize=9)
   ax.legend(fontsize=7)
   fig.tight_layout()
@@ -328,7 +417,9 @@ def main():
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs"))
   args = parser.parse_args()
   args.reps = args.reps or (7 if args.quick else 15)
-  all_variants = list(VARIANTS)
+  all_variants = [v for v in VARIANTS if import_keras() or v not in KERAS_VARIANTS]
+  if not import_keras():
+    print("keras 3 with the JAX backend is not importable: skipping", ", ".join(KERAS_VARIANTS), flush=True)
 
   if args.quick:
     opt_configs = [("adam", 8_000_000, 48, all_variants), ("adam", 1_000_000, 1000, ["plain", "jaxscale"])]
