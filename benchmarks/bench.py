@@ -428,7 +428,7 @@ def main():
     opt_configs = (
         [(o, 8_000_000, 48, all_variants) for o in OPTIMIZERS]
         + [("adam", n, 48, all_variants) for n in (1_000_000, 32_000_000, 100_000_000)]
-        + [("adam", 8_000_000, l, ["plain", "jaxscale"]) for l in (10, 1000)]
+        + [("adam", 8_000_000, l, all_variants) for l in (10, 1000)]
     )
     lm_configs = [("adam", 256, 4), ("adamw", 512, 6)]
 
