@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -191,6 +192,11 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
 
 
 def _unwrap_variable(leaf):
-  # NNX stores optimizer state leaves as Variables; `get_value` unwraps them.
+  # NNX stores optimizer state leaves as Variables. Found through sys.modules:
+  # a Variable exists only once flax is imported, and jaxscale must not import it.
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None or not isinstance(leaf, nnx.Variable):
+    return leaf
+  # `get_value` is flax >= 0.12.1, which deprecates `.value`; older ones have only `.value`.
   get_value = getattr(leaf, "get_value", None)
-  return get_value() if callable(get_value) else leaf
+  return get_value() if callable(get_value) else leaf.value

@@ -39,7 +39,8 @@ def test_optimizer_groups_share_one_scale_and_one_decision():
   state = tx.init(GROUPS)
   scaled = jax.tree.map(lambda g: g * SCALE, GROUP_GRADS)
   updates, new_state = jax.jit(tx.update)(scaled, state, GROUPS)
-  expected, _ = grouped().update(GROUP_GRADS, grouped().init(GROUPS), GROUPS)
+  # Jitted like the wrapped update: on jax 0.5 to 0.7, eager Adam differs from jitted Adam in the last bit.
+  expected, _ = jax.jit(grouped().update)(GROUP_GRADS, grouped().init(GROUPS), GROUPS)
   assert_trees_equal(updates, expected)
 
   # An inf in the discriminator's gradients skips both groups, and backs off once.

@@ -8,6 +8,7 @@ shard that lives on process 1 only. Each process writes what it saw to RESULT.js
 after each step, and whether its own parameter shards moved.
 """
 
+import inspect
 import json
 import sys
 
@@ -28,13 +29,15 @@ def main(port: str, process_id: str, result_path: str) -> None:
   import jaxscale
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # jax < 0.8.1 has no `shutdown_timeout_seconds`: it then keeps its own default.
+  timeouts = {"initialization_timeout": 60, "shutdown_timeout_seconds": 30}
+  accepted = inspect.signature(jax.distributed.initialize).parameters
   jax.distributed.initialize(
       coordinator_address=f"127.0.0.1:{port}",
       coordinator_bind_address=f"127.0.0.1:{port}",
       num_processes=2,
       process_id=int(process_id),
-      initialization_timeout=60,
-      shutdown_timeout_seconds=30,
+      **{name: value for name, value in timeouts.items() if name in accepted},
   )
   assert jax.device_count() == 8 and jax.local_device_count() == 4
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
