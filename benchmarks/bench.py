@@ -336,6 +336,7 @@ def write_markdown(rows, path, args):
       "the CPU client reports no `memory_stats()`).",
       "",
       *keras_text(rows),
+      *flax_text(rows),
       "| problem | optimizer | params | leaves | variant | step ms | step ratio | compile s | compile ratio | memory ratio | copies |",
       "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
@@ -368,6 +369,17 @@ def keras_text(rows):
       "*plain keras*, the cost of its loss scaling alone.",
       "",
   ]
+
+
+def flax_text(rows):
+  """Why the Flax pattern is missing at many leaves, where it is."""
+  config = lambda r: (r["problem"], r["opt"], r["params"], r["leaves"])
+  with_flax = {config(r) for r in rows if r["variant"] == "flax DynamicScale"}
+  missing = sorted({r["leaves"] for r in rows if r["problem"] == "optimizer step" and config(r) not in with_flax})
+  if not missing:
+    return []
+  return [f"The Flax DynamicScale pattern is not run at {', '.join(map(str, missing))} leaves: compiling "
+          "it there took over 2 minutes and 20 GB of memory on this machine.", ""]
 
 
 def keras_table(rows):
@@ -433,7 +445,9 @@ def main():
     opt_configs = (
         [(o, 8_000_000, 48, all_variants) for o in OPTIMIZERS]
         + [("adam", n, 48, all_variants) for n in (1_000_000, 32_000_000, 100_000_000)]
-        + [("adam", 8_000_000, l, all_variants) for l in (10, 1000)]
+        + [("adam", 8_000_000, 10, all_variants)]
+        # The Flax pattern's compile at 1000 leaves passes 2 minutes and 20 GB: left out there.
+        + [("adam", 8_000_000, 1000, [v for v in all_variants if v != "flax DynamicScale"])]
     )
     lm_configs = [("adam", 256, 4), ("adamw", 512, 6)]
 
