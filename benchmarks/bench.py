@@ -271,11 +271,14 @@ def measure(config, builders, reps):
   rows = []
   for name, run in runs.items():
     ms = float(np.median(run["times"])) * 1e3
+    # Each round's ratio to the plain step of the same round: their quartiles show the noise.
+    round_ratios = np.asarray(run["times"]) / np.asarray(base["times"])
     rows.append(dict(config, variant=name, ms=ms, ratio=ms / (np.median(base["times"]) * 1e3),
+                     ratio_q1=float(np.percentile(round_ratios, 25)), ratio_q3=float(np.percentile(round_ratios, 75)),
                      compile_s=run["compile_s"], compile_ratio=run["compile_s"] / base["compile_s"],
                      memory_mb=run["memory"] / 2**20, memory_ratio=run["memory"] / base["memory"],
                      copies=run["copies"]))
-    print(f"  {name:24s} {ms:8.2f} ms  x{rows[-1]['ratio']:.2f}  compile {run['compile_s']:.2f}s "
+    print(f"  {name:24s} {ms:8.2f} ms  x{rows[-1]['ratio']:.2f} ({rows[-1]['ratio_q1']:.2f}-{rows[-1]['ratio_q3']:.2f})  compile {run['compile_s']:.2f}s "
           f"(x{rows[-1]['compile_ratio']:.2f})  mem x{rows[-1]['memory_ratio']:.3f}  copies {run['copies']}", flush=True)
   del runs
   return rows
@@ -330,20 +333,21 @@ def write_markdown(rows, path, args):
       "",
       "Each configuration's variants were compiled in one process and timed in interleaved rounds "
       f"({args.reps} rounds, medians). Ratios are to the plain optax optimizer on the true gradients; "
-      "parameters and optimizer state are donated. *copies* counts `copy` instructions in the "
+      "parameters and optimizer state are donated. The quartiles are those of each round's ratio "
+      "to the plain step of the same round: how far this machine's noise moves a ratio. *copies* counts `copy` instructions in the "
       "optimized HLO (a copy of a donated buffer is an extra pass and an extra buffer). Memory "
       "is the compiled executable's footprint (arguments + non-aliased outputs + temporaries: "
       "the CPU client reports no `memory_stats()`).",
       "",
       *keras_text(rows),
       *flax_text(rows),
-      "| problem | optimizer | params | leaves | variant | step ms | step ratio | compile s | compile ratio | memory ratio | copies |",
-      "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+      "| problem | optimizer | params | leaves | variant | step ms | step ratio | rounds' ratios, quartiles | compile s | compile ratio | memory ratio | copies |",
+      "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
   for r in rows:
     lines.append(
         f"| {r['problem']} | {r['opt']} | {r['params']/1e6:.1f}M | {r['leaves']} | {r['variant']} | "
-        f"{r['ms']:.2f} | {r['ratio']:.2f} | {r['compile_s']:.2f} | {r['compile_ratio']:.2f} | "
+        f"{r['ms']:.2f} | {r['ratio']:.2f} | {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {r['compile_s']:.2f} | {r['compile_ratio']:.2f} | "
         f"{r['memory_ratio']:.3f} | {r['copies']} |"
     )
   lines += keras_table(rows)
@@ -414,9 +418,11 @@ def write_chart(rows, path):
   fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(configs)), 4))
   width = 0.8 / len(variants)
   for i, v in enumerate(variants):
-    ys = [next((r["ratio"] for r in rows if (r["problem"], r["opt"], r["params"], r["leaves"]) == c and r["variant"] == v), np.nan)
-          for c in configs]
-    ax.bar(np.arange(len(configs)) + i * width, ys, width, label=v)
+    found = [next((r for r in rows if (r["problem"], r["opt"], r["params"], r["leaves"]) == c and r["variant"] == v), None)
+             for c in configs]
+    ys = [r["ratio"] if r else np.nan for r in found]
+    spread = [[r["ratio"] - r["ratio_q1"] if r else 0 for r in found], [r["ratio_q3"] - r["ratio"] if r else 0 for r in found]]
+    ax.bar(np.arange(len(configs)) + i * width, ys, width, yerr=np.clip(spread, 0, None), error_kw=dict(lw=0.6), label=v)
   ax.axhline(1.0, color="k", lw=0.8)
   ax.set_xticks(np.arange(len(configs)) + 0.4 - width / 2)
   ax.set_xticklabels([f"{p}\n{o}\n{n/1e6:.0f}M/{l}" for p, o, n, l in configs], fontsize=7)
