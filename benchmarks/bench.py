@@ -239,10 +239,11 @@ def _current_scale(state):
 
 
 def peak_bytes(compiled) -> int:
-  """Peak device memory of one call, from the device when it reports, else XLA's analysis."""
-  stats = jax.devices()[0].memory_stats()
-  if stats and "peak_bytes_in_use" in stats:
-    return int(stats["peak_bytes_in_use"])
+  """The footprint of one call, from XLA's analysis of the compiled executable.
+
+  Not `memory_stats()["peak_bytes_in_use"]` where a device reports it: that is the
+  process's high-water mark, which every variant of a configuration shares here.
+  """
   m = compiled.memory_analysis()
   # Donated arguments alias outputs: count arguments, outputs not aliased, temporaries.
   return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
@@ -336,8 +337,9 @@ def write_markdown(rows, path, args):
       "parameters and optimizer state are donated. The quartiles are those of each round's ratio "
       "to the plain step of the same round: how far this machine's noise moves a ratio. *copies* counts `copy` instructions in the "
       "optimized HLO (a copy of a donated buffer is an extra pass and an extra buffer). Memory "
-      "is the compiled executable's footprint (arguments + non-aliased outputs + temporaries: "
-      "the CPU client reports no `memory_stats()`).",
+      "is the compiled executable's footprint (arguments + non-aliased outputs + temporaries, "
+      "from `compiled.memory_analysis()`; a device's `memory_stats()` peak is the process's, "
+      "shared by every variant).",
       "",
       *keras_text(rows),
       *flax_text(rows),
