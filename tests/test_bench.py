@@ -1,0 +1,82 @@
+"""The benchmark times what it says: each variant steps like its unscaled twin and skips an inf.
+
+A peer wired up wrong (unscaling by the wrong scale, or never skipping) would make its timings
+meaningless; so would jaxscale's. The variants whose library is missing here are skipped.
+"""
+
+import importlib.util
+import pathlib
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def _load_bench():
+  path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench.py"
+  spec = importlib.util.spec_from_file_location("bench", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+bench = _load_bench()
+NEEDS = {"jmp+apply_if_finite": "jmp", "flax DynamicScale": "flax"}
+SCALED = [v for v in bench.VARIANTS if v not in bench.UNSCALED]
+
+
+def _require(variant):
+  if variant in bench.KERAS_VARIANTS:
+    if bench.import_keras() is None:
+      pytest.skip("keras 3 with the JAX backend is not installed")
+  elif variant in NEEDS:
+    pytest.importorskip(NEEDS[variant])
+
+
+def _twin(variant):
+  return "plain keras" if variant in bench.KERAS_VARIANTS else "plain"
+
+
+def _one_step(variant, grads=None):
+  """(params before, params after, state before, state after) of one jitted step."""
+  params, state, (problem_grads,), step = bench.optimizer_builders("adam", 3000, 3, [variant])[variant]()
+  before = (jax.device_get(params), jax.device_get(state))
+  params, state = jax.jit(step)(params, state, problem_grads if grads is None else grads)
+  return before[0], jax.device_get(params), before[1], jax.device_get(state)
+
+
+@pytest.mark.parametrize("variant", SCALED)
+def test_a_finite_step_matches_the_unscaled_twin(variant):
+  _require(variant)
+  _require(_twin(variant))
+  _, stepped, _, _ = _one_step(variant)
+  _, reference, _, _ = _one_step(_twin(variant))
+  for got, want in zip(stepped, reference, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("variant", SCALED)
+def test_an_inf_step_is_skipped_and_the_scale_backs_off(variant):
+  _require(variant)
+  _, grads = bench.optimizer_problem(3000, 3)
+  grads[1] = grads[1].at[7].set(jnp.inf)
+  params, stepped, state, new_state = _one_step(variant, grads)
+  for got, want in zip(stepped, params, strict=True):
+    np.testing.assert_array_equal(got, want)
+  assert float(bench._current_scale(new_state)) == float(bench._current_scale(state)) / 2
+
+
+def test_the_quick_page_and_chart_are_written(tmp_path):
+  pytest.importorskip("matplotlib")
+  variants = ["plain", "jaxscale"]
+  config = dict(problem="optimizer step", opt="adam", params=3000, leaves=3)
+  rows = bench.measure(config, bench.optimizer_builders("adam", 3000, 3, variants), reps=2)
+  args = types.SimpleNamespace(quick=True, reps=2)
+  bench.write_markdown(rows, tmp_path / "benchmarks.md", args)
+  bench.write_chart(rows, tmp_path / "benchmarks.png")
+  page = (tmp_path / "benchmarks.md").read_text()
+  assert "| optimizer step | adam | 0.0M | 3 | jaxscale |" in page
+  assert (tmp_path / "benchmarks.png").stat().st_size > 0
+  assert [r["variant"] for r in rows] == variants and rows[0]["ratio"] == 1.0
