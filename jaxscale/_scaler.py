@@ -271,15 +271,15 @@ def unscale_and_check(
   unscaled = jax.tree.map(lambda g: _times(g, r1, r2), grads)
   # The flag must hold for the unscaled gradients, but it is computed from
   # the scaled ones as they lie in memory: then XLA reads each buffer once in
-  # the reduction and writes nothing, where a reduction over `unscaled` made
-  # it write all the unscaled gradients out first (an extra gradient-sized
-  # buffer and two extra passes; benchmarks/NOTES.md). The two flags agree:
-  # a scale >= 1 only shrinks finite values, and a scale < 1 (the only case
-  # where unscaling can overflow) is a normal number whose exact reciprocal
-  # is probed.
+  # the reduction, where a reduction over `unscaled` made it write all the
+  # unscaled gradients out first (an extra gradient-sized buffer and two
+  # extra passes; benchmarks/NOTES.md). The two flags agree: a scale >= 1
+  # only shrinks finite values, and a scale < 1 (the only case where
+  # unscaling can overflow) is a normal number whose exact reciprocal is
+  # probed.
   probe_factor = jnp.where(state.scale < 1, 1 / state.scale, 0.0)
   probes = jax.tree.map(lambda g: _times(g, probe_factor), grads)
-  return unscaled, _agree(_all_finite_local(probes), state, axis_name)
+  return unscaled, all_finite(probes, axis_name=axis_name) | ~state.enabled
 
 
 def _times(x, *factors: jax.Array):
@@ -335,13 +335,11 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
     >>> jaxscale.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
     Array(False, dtype=bool)
   """
-  return _agree(_all_finite_local(tree), None, axis_name)
-
-
-def _all_finite_local(tree: Any) -> jax.Array:
   # `x * 0` is 0 for finite x and NaN for inf or NaN, and a sum propagates
-  # NaN: one reduction per leaf that writes nothing of the leaf's size.
-  # (`isfinite(x).all()` writes a bool array first; `max` drops NaNs on CPU.)
+  # NaN: one reduction per leaf, fused with the product. (XLA:CPU writes the
+  # broadcast scalars out, once per distinct leaf shape: benchmarks/NOTES.md,
+  # #14. `isfinite(x).all()` writes a bool array of every leaf; `max` drops
+  # NaNs on CPU.)
   total = sum(
       (jnp.sum(g * 0).astype(jnp.float32) for g in jax.tree.leaves(tree) if _is_floating(g)),
       start=jnp.zeros((), jnp.float32),
@@ -351,15 +349,9 @@ def _all_finite_local(tree: Any) -> jax.Array:
   # optimizer step): compile time then grows with the square of the number
   # of leaves. A division (by 1, in a form XLA cannot fold) is an op it will
   # not duplicate, so the sum is computed once.
-  return jnp.isfinite(total / (total * 0 + 1))
-
-
-def _agree(finite: jax.Array, state: ScalerState | None, axis_name: Any) -> jax.Array:
-  """Makes every device of ``axis_name`` agree, and a disabled state always finite."""
+  finite = jnp.isfinite(total / (total * 0 + 1))
   if axis_name is not None:
     finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-  if state is not None:
-    finite = finite | ~state.enabled
   return finite
 
 
