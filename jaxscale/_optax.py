@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.extend import core as jex_core
 
-from jaxscale import _scaler
+from jaxscale import _master, _scaler
 
 
 class DynamicLossScalingState(NamedTuple):
@@ -72,7 +72,9 @@ def dynamic_loss_scaling(
   enabled = init_options.get("enabled", True)
 
   def init_fn(params):
-    return DynamicLossScalingState(_scaler.init(**init_options), inner.init(params))
+    inner_state = inner.init(params)
+    _master.refuse_inside_scaler(inner_state)
+    return DynamicLossScalingState(_scaler.init(**init_options), inner_state)
 
   def update_fn(updates, state, params=None, *, finite=None, **extra_args):
     if not enabled:

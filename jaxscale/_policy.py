@@ -1,0 +1,214 @@
+"""The precision policy: which dtype parameters are stored in, computed in, and returned in.
+
+A ``Policy`` is three dtypes (jmp's names)::
+
+    param_dtype    the parameters as stored and updated (float32 for mixed precision)
+    compute_dtype  the forward and backward pass (float16 or bfloat16 for mixed precision)
+    output_dtype   what the computation hands back (float32: the loss, logits for metrics)
+
+Its casts touch only the floating leaves of a pytree: integers, bools, PRNG keys and
+``float0`` tangents keep their dtype. Loss scaling is needed for float16 compute only:
+bfloat16 has float32's exponent range, so its gradients do not underflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+_NAMES = {
+    "float32": jnp.float32, "f32": jnp.float32, "full": jnp.float32,
+    "float16": jnp.float16, "f16": jnp.float16,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float64": jnp.float64, "f64": jnp.float64,
+    "half": None,  # float16, or bfloat16 on a TPU, as in jmp
+}  # fmt: skip
+_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output"}
+_PRESETS = {
+    "mixed_float16": ("float32", "float16", "float32"),
+    "mixed_bfloat16": ("float32", "bfloat16", "float32"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Parameter, compute and output dtypes, with casts for any pytree.
+
+  Immutable and hashable, so it can be a static argument of ``jax.jit``. The
+  names are jmp's: code written against ``jmp.Policy`` works unchanged.
+
+  Attributes:
+    param_dtype: the dtype parameters are stored in.
+    compute_dtype: the dtype the computation runs in.
+    output_dtype: the dtype the computation returns.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxscale
+    >>> policy = jaxscale.get_policy("mixed_float16")
+    >>> policy.compute_dtype
+    dtype('float16')
+    >>> policy.cast_to_compute({"x": jnp.ones(2), "step": jnp.arange(2)})
+    {'step': Array([0, 1], dtype=int32), 'x': Array([1., 1.], dtype=float16)}
+  """
+
+  param_dtype: Any
+  compute_dtype: Any
+  output_dtype: Any
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      try:
+        dtype = np.dtype(value)
+      except TypeError:
+        dtype = None
+      if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"`Policy.{field.name}` must be a floating dtype, got {value!r}.")
+      object.__setattr__(self, field.name, dtype)  # normalised: jnp.float16 == dtype('float16')
+
+  def cast_to_param(self, tree: T) -> T:
+    """``tree`` with its floating leaves cast to ``param_dtype``."""
+    return cast_floating(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: T) -> T:
+    """``tree`` with its floating leaves cast to ``compute_dtype``."""
+    return cast_floating(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: T) -> T:
+    """``tree`` with its floating leaves cast to ``output_dtype``."""
+    return cast_floating(tree, self.output_dtype)
+
+  def __str__(self) -> str:
+    return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
+
+
+def cast_floating(tree: T, dtype: Any) -> T:
+  """``tree`` with every floating array leaf cast to ``dtype``; other leaves as they are.
+
+  Python scalars stay as they are: they are weakly typed and already follow the
+  arrays they meet.
+  """
+
+  def cast(x):
+    leaf_dtype = getattr(x, "dtype", None)
+    if leaf_dtype is not None and jnp.issubdtype(leaf_dtype, jnp.floating):
+      return jnp.asarray(x).astype(dtype)
+    return x
+
+  return jax.tree.map(cast, tree)
+
+
+def get_policy(spec: Union[str, Policy]) -> Policy:
+  """A :class:`Policy` from a string (jmp's format, or a preset).
+
+  Accepted forms:
+
+  * a preset: ``"float32"`` (everything float32), ``"mixed_float16"`` and
+    ``"mixed_bfloat16"`` (Keras's: float32 parameters and output, 16-bit
+    compute);
+  * one dtype for all three: ``"float16"``, ``"bf16"``, ``"full"``, ``"half"``;
+  * jmp's ``key=dtype`` list: ``"params=float32,compute=float16,output=float32"``,
+    short ``"p=f32,c=f16,o=f32"``. As in jmp, parameters default to float32,
+    compute follows parameters and output follows compute (``"c=f16"`` is
+    ``p=f32,c=f16,o=f16``).
+
+  Dtype names: ``float32``/``f32``/``full``, ``float16``/``f16``,
+  ``bfloat16``/``bf16``, ``float64``/``f64``, and ``half`` (float16, or
+  bfloat16 on a TPU, as in jmp). A :class:`Policy` is returned as it is.
+
+  Args:
+    spec: the string, or a :class:`Policy`.
+
+  Returns:
+    The :class:`Policy`.
+
+  Raises:
+    ValueError: naming the part of ``spec`` that is not understood and what
+      would be.
+    TypeError: if ``spec`` is neither a string nor a :class:`Policy`.
+
+  Examples:
+    >>> import jaxscale
+    >>> print(jaxscale.get_policy("p=f32,c=bf16,o=f32"))
+    params=float32,compute=bfloat16,output=float32
+    >>> print(jaxscale.get_policy("c=f16"))
+    params=float32,compute=float16,output=float16
+    >>> jaxscale.get_policy("compute=f8")
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown dtype 'f8' in policy 'compute=f8'; ...
+  """
+  if isinstance(spec, Policy):
+    return spec
+  if not isinstance(spec, str):
+    raise TypeError(f"`get_policy` takes a string or a `jaxscale.Policy`, got {type(spec).__name__}: {spec!r}.")
+  text = spec.strip().lower()
+  if text in _PRESETS:
+    return Policy(*(_dtype(name, spec) for name in _PRESETS[text]))
+  if "=" not in text:
+    dtype = _dtype(text, spec)
+    return Policy(dtype, dtype, dtype)
+  chosen: dict[str, Any] = {}
+  for part in text.split(","):
+    key, _, value = (s.strip() for s in part.partition("="))
+    if key not in _KEYS:
+      raise ValueError(
+          f"Unknown key {key!r} in policy {spec!r}; the keys are 'params' ('p'), "
+          "'compute' ('c') and 'output' ('o'), as in 'params=float32,compute=float16,output=float32'."
+      )
+    chosen[_KEYS[key]] = _dtype(value, spec)
+  param = chosen.get("param", np.dtype(jnp.float32))
+  compute = chosen.get("compute", param)
+  return Policy(param, compute, chosen.get("output", compute))
+
+
+def _dtype(name: str, spec: str) -> Any:
+  if name not in _NAMES:
+    raise ValueError(
+        f"Unknown dtype {name!r} in policy {spec!r}; use one of {', '.join(_NAMES)}, "
+        "or a preset: 'float32', 'mixed_float16', 'mixed_bfloat16'."
+    )
+  dtype = _NAMES[name]
+  if dtype is None:  # "half"
+    dtype = jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16
+  return np.dtype(dtype)
+
+
+def needs_loss_scaling(policy_or_dtype: Union[Policy, str, jax.typing.DTypeLike]) -> bool:
+  """True iff the compute dtype is float16, the one whose gradients underflow.
+
+  bfloat16 shares float32's exponent range and needs no loss scaling; float32
+  needs none either. Pass the answer as ``enabled=``, so that one script runs
+  unchanged in any precision.
+
+  Args:
+    policy_or_dtype: a :class:`Policy` (its ``compute_dtype`` decides), a
+      policy string for :func:`get_policy`, or a dtype.
+
+  Returns:
+    A Python bool.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxscale
+    >>> jaxscale.needs_loss_scaling("mixed_float16"), jaxscale.needs_loss_scaling(jnp.bfloat16)
+    (True, False)
+    >>> policy = jaxscale.get_policy("mixed_bfloat16")
+    >>> tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-3), enabled=jaxscale.needs_loss_scaling(policy))
+  """
+  if isinstance(policy_or_dtype, (Policy, str)):
+    dtype = get_policy(policy_or_dtype).compute_dtype
+  else:
+    try:
+      dtype = np.dtype(policy_or_dtype)
+    except TypeError as e:
+      raise TypeError(
+          "`needs_loss_scaling` takes a `jaxscale.Policy`, a policy string or a dtype, "
+          f"got {policy_or_dtype!r}."
+      ) from e
+  return dtype == np.dtype(jnp.float16)
