@@ -39,14 +39,17 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
   unscaled; unscaled in float16, true gradients below 2**-24 would flush to
   zero again. (The other order is refused by :func:`dynamic_loss_scaling`.)
 
-  The returned updates are float32. ``optax.apply_updates(params, updates)``
-  equals ``master.astype(params.dtype)`` exactly, as values (a parameter
-  unchanged by the step keeps its bits), whenever ``target - param`` is a
-  float32 number: always, unless in one step a parameter shrinks by a factor
-  above 2**12 (float16; 2**15 for bfloat16) or leaves an infinity, where the
-  last bits may differ (apply_updates adds in at most float32; no float32
-  update can then land on the target). Float32, float64 and non-floating
-  parameters pass through to ``inner`` untouched.
+  The returned updates are float32, and ``optax.apply_updates(params,
+  updates)`` equals ``master.astype(params.dtype)`` exactly, as values (a
+  parameter the step leaves unchanged keeps its bits), whenever
+  ``target - param`` is a normal float32 number: for float16 always, unless
+  in one step a parameter shrinks by a factor above 2**12 or leaves an
+  infinity (``apply_updates`` adds in at most float32, and no float32 update
+  can then land on the target: the last bits may differ); for bfloat16 the
+  same with 2**15, and nothing is exact below 2**-126 (float32 subnormals,
+  which XLA flushes to zero). Float32, float64 and non-floating parameters
+  pass through to ``inner`` untouched. Under strict dtype promotion, add the
+  updates as ``(p.astype(u.dtype) + u).astype(p.dtype)``.
 
   Args:
     inner: the optimizer, usually ``dynamic_loss_scaling(...)`` around it.

@@ -153,10 +153,18 @@ def test_updates_land_exactly_on_the_cast_master(dtype, gap):
   tx = jaxscale.master_weights(optax.identity())
   state = jaxscale.MasterWeightsState(jnp.asarray(master), optax.EmptyState())
   updates, _ = jax.jit(tx.update)(jnp.zeros(p.shape, dtype), state, jnp.asarray(p))
-  new = np.asarray(optax.apply_updates(jnp.asarray(p), updates))
-  np.testing.assert_array_equal(new.astype(np.float32), target.astype(np.float32))
-  same = target.view(np.uint16) == p.view(np.uint16)
-  assert np.array_equal(new.view(np.uint16)[same], p.view(np.uint16)[same])  # unchanged: bit for bit
+  new = np.asarray(optax.apply_updates(jnp.asarray(p), updates)).astype(np.float32)
+  # bfloat16 spans float32's range: steps beyond it, and values or steps below its smallest normal
+  # (XLA flushes float32 subnormals to zero) are left out, as the docstring says.
+  step = target.astype(np.float64) - p.astype(np.float64)
+  tiny = lambda x: (x != 0) & (np.abs(x) < np.finfo(np.float32).tiny)  # noqa: E731
+  flushed = tiny(p.astype(np.float64)) | tiny(target.astype(np.float64)) | tiny(step) | (np.abs(step) > np.finfo(np.float32).max) & np.isfinite(step)
+  assert dtype == jnp.bfloat16 or not np.any(flushed)
+  assert np.mean(flushed) < 0.01
+  np.testing.assert_array_equal(new[~flushed], target[~flushed].astype(np.float32))
+  same = (target.view(np.uint16) == p.view(np.uint16)) & ~flushed
+  new_bits = np.asarray(optax.apply_updates(jnp.asarray(p), updates)).view(np.uint16)
+  assert np.array_equal(new_bits[same], p.view(np.uint16)[same])  # unchanged: bit for bit
 
 
 def test_outside_the_documented_domain_no_float32_update_is_exact():
