@@ -1,0 +1,56 @@
+"""metrics: the scaler's numbers from an opt_state or a ScalerState, under jit, with no host transfer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxscale
+
+KEYS = {"scale", "growth_tracker", "hysteresis_tracker", "skipped_steps", "last_skipped", "stalled"}
+
+
+def test_metrics_under_jit_without_host_transfer():
+  tx = optax.chain(jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=8.0, growth_interval=2))
+  params = jnp.ones(3)
+
+  @jax.jit
+  def step(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jaxscale.metrics(opt_state)
+
+  opt_state = tx.init(params)
+  grads = [jnp.ones(3), jnp.array([1.0, jnp.inf, 0.0]), jnp.ones(3), jnp.ones(3), jnp.ones(3)]
+  grads = [jax.device_put(g) for g in grads]
+  logged = []
+  with jax.transfer_guard("disallow"):
+    for g in grads:
+      params, opt_state, m = step(params, opt_state, g)
+      logged.append(m)
+  assert step._cache_size() == 1
+  assert all(set(m) == KEYS for m in logged)
+  # The reference: the scaler's rule played by hand (growth_interval=2, backoff 0.5, growth 2).
+  assert [float(m["scale"]) for m in logged] == [8.0, 4.0, 4.0, 8.0, 8.0]
+  assert [int(m["growth_tracker"]) for m in logged] == [1, 0, 1, 0, 1]
+  assert [bool(m["last_skipped"]) for m in logged] == [False, True, False, False, False]
+  assert [int(m["skipped_steps"]) for m in logged] == [0, 1, 1, 1, 1]
+  assert not any(bool(m["stalled"]) for m in logged)
+  assert logged[0]["scale"].dtype == jnp.float32 and logged[0]["skipped_steps"].dtype == jnp.int32
+
+
+def test_metrics_of_a_scaler_state_and_an_nnx_optimizer():
+  from flax import nnx
+
+  state = jaxscale.init(init_scale=16.0)
+  np.testing.assert_equal({k: np.asarray(v) for k, v in jaxscale.metrics(state).items()},
+                          {k: np.asarray(getattr(state, k)) for k in KEYS})
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=32.0), wrt=nnx.Param)
+  m = jax.jit(jaxscale.metrics)(optimizer.opt_state)
+  assert float(m["scale"]) == 32.0 and all(isinstance(v, jax.Array) for v in m.values())
+
+
+def test_no_scaler():
+  with pytest.raises(ValueError, match="no ScalerState"):
+    jaxscale.metrics(optax.sgd(0.1).init(jnp.ones(2)))
