@@ -84,6 +84,10 @@ class Policy:
     """``tree`` with its floating leaves cast to ``output_dtype``."""
     return cast_floating(tree, self.output_dtype)
 
+  def with_output_dtype(self, output_dtype: Any) -> "Policy":
+    """This policy with another ``output_dtype`` (jmp's helper, e.g. float32 logits)."""
+    return dataclasses.replace(self, output_dtype=output_dtype)
+
   def __str__(self) -> str:
     return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
 

@@ -152,7 +152,8 @@ def test_updates_land_exactly_on_the_cast_master(dtype, gap):
 
   tx = jaxscale.master_weights(optax.identity())
   state = jaxscale.MasterWeightsState(jnp.asarray(master), optax.EmptyState())
-  updates, _ = jax.jit(tx.update)(jnp.zeros(p.shape, dtype), state, jnp.asarray(p))
+  with jax.numpy_dtype_promotion("strict"):  # no silent promotion in master_weights' own code
+    updates, _ = jax.jit(tx.update)(jnp.zeros(p.shape, dtype), state, jnp.asarray(p))
   new = np.asarray(optax.apply_updates(jnp.asarray(p), updates)).astype(np.float32)
   # bfloat16 spans float32's range: steps beyond it, and values or steps below its smallest normal
   # (XLA flushes float32 subnormals to zero) are left out, as the docstring says.

@@ -48,6 +48,12 @@ def test_bad_specs_name_the_bad_part(spec, named):
   assert "mixed_float16" in str(info.value) or "'compute'" in str(info.value)
 
 
+def test_with_output_dtype_like_jmp():
+  policy = jaxscale.get_policy("p=f32,c=f16").with_output_dtype(jnp.float32)
+  theirs = jmp.get_policy("p=f32,c=f16").with_output_dtype(jnp.float32)
+  assert policy == jaxscale.get_policy("mixed_float16") and np.dtype(theirs.output_dtype) == policy.output_dtype
+
+
 def test_bad_types():
   with pytest.raises(TypeError, match="string"):
     jaxscale.get_policy(16)
