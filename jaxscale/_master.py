@@ -46,8 +46,8 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
   in one step a parameter shrinks by a factor above 2**12 or leaves an
   infinity (``apply_updates`` adds in at most float32, and no float32 update
   can then land on the target: the last bits may differ); for bfloat16 the
-  same with 2**15, and nothing is exact below 2**-126 (float32 subnormals,
-  which XLA flushes to zero). Float32, float64 and non-floating parameters
+  same with 2**15, and not for values or steps below 2**-126 (float32
+  subnormals, which XLA flushes to zero). Float32, float64 and non-floating parameters
   pass through to ``inner`` untouched. Under strict dtype promotion, add the
   updates as ``(p.astype(u.dtype) + u).astype(p.dtype)``.
 
@@ -58,6 +58,9 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`MasterWeightsState`. Its ``update`` needs ``params``; extra
     arguments go on to ``inner``.
+
+  Raises:
+    ValueError: from ``update``, when it is called without ``params``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxscale
