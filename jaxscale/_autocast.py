@@ -11,12 +11,18 @@ thread-local flag: the region is the function, and a nested ``autocast`` governs
 region, since it casts its own inputs (``enabled=False`` is the identity, so its region
 runs in whatever dtype its inputs already have, as torch's does). Only what ``fun``
 receives as arguments is cast: pass parameters as arguments, not through a closure.
+An NNX module is cast like any pytree, into new Variables; what ``fun`` assigns to them
+(RNG counts, batch statistics) is written back to the module's own, in their dtype.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Callable, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
 
 from jaxscale import _policy
 
@@ -63,7 +69,48 @@ def autocast(fun: F, policy: Union[_policy.Policy, str], *, enabled: bool = True
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    args, kwargs = policy.cast_to_compute((args, kwargs))
-    return policy.cast_to_output(fun(*args, **kwargs))
+    cast_args, cast_kwargs = policy.cast_to_compute((args, kwargs))
+    variables = _nnx_variables((args, kwargs), (cast_args, cast_kwargs))
+    out = fun(*cast_args, **cast_kwargs)
+    for original, copy, before in variables:
+      after = _get(copy)
+      if after is not before:  # `fun` assigned it: an RNG count, batch statistics
+        _set(original, policy.cast_to_param(after) if _is_floating(_get(original)) else after)
+    return policy.cast_to_output(out)
 
   return wrapped  # type: ignore[return-value]
+
+
+def _nnx_variables(originals, copies) -> list:
+  """``(original, cast copy, copy's value)`` for each NNX Variable among the arguments.
+
+  The cast gives an NNX module new Variables; what ``fun`` writes into them
+  (RNG stream counts, batch statistics) is copied back to the originals, in
+  their own dtype, so that state updates inside the region are not lost.
+  Found through sys.modules: jaxscale must not import flax.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return []
+  is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  pairs = zip(jax.tree.leaves(originals, is_leaf=is_variable), jax.tree.leaves(copies, is_leaf=is_variable))
+  return [(o, c, _get(c)) for o, c in pairs if is_variable(o) and is_variable(c)]
+
+
+def _get(variable):
+  # `get_value`/`set_value` are flax >= 0.12.1, which deprecates `.value`.
+  get_value = getattr(variable, "get_value", None)
+  return get_value() if callable(get_value) else variable.value
+
+
+def _set(variable, value):
+  set_value = getattr(variable, "set_value", None)
+  if callable(set_value):
+    set_value(value)
+  else:
+    variable.value = value
+
+
+def _is_floating(x) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)

@@ -269,3 +269,28 @@ def test_nnx_model_trains_in_float16_without_dtype():
   assert seen == [F16]  # traced once, and the model ran in float16
   assert losses[-1] < 0.3 * losses[0]
   assert all(leaf.dtype == F32 for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_nnx_state_assigned_inside_autocast_reaches_the_module():
+  """Dropout's RNG count and a statistic assigned in the region advance as without autocast."""
+  from flax import nnx
+
+  class Counting(nnx.Module):
+    def __init__(self, rngs):
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+      self.total = nnx.BatchStat(jnp.zeros(3))
+
+    def __call__(self, x):
+      self.total[...] = self.total[...] + x.sum(0)
+      return self.drop(x)
+
+  x = jnp.ones((4, 3))
+  plain, cast = Counting(nnx.Rngs(0)), Counting(nnx.Rngs(0))
+  run = jaxscale.autocast(lambda m, x: m(x), "mixed_float16")
+  jitted = nnx.jit(run)
+  for call in (run, run, jitted, jitted):
+    expected, got = plain(x), call(cast, x)
+    assert got.dtype == F32
+    np.testing.assert_array_equal(got == 0, expected == 0)  # the same dropout masks, step by step
+  assert cast.total[...].dtype == F32
+  np.testing.assert_array_equal(cast.total[...], plain.total[...])
