@@ -22,7 +22,6 @@ import sys
 from typing import Callable, TypeVar, Union
 
 import jax
-import jax.numpy as jnp
 
 from jaxscale import _policy
 
@@ -75,7 +74,7 @@ def autocast(fun: F, policy: Union[_policy.Policy, str], *, enabled: bool = True
     for original, copy, before in variables:
       after = _get(copy)
       if after is not before:  # `fun` assigned it: an RNG count, batch statistics
-        _set(original, policy.cast_to_param(after) if _is_floating(_get(original)) else after)
+        _set(original, policy.cast_to_param(after) if _policy.is_floating_array(_get(original)) else after)
     return policy.cast_to_output(out)
 
   return wrapped  # type: ignore[return-value]
@@ -109,8 +108,3 @@ def _set(variable, value):
     set_value(value)
   else:
     variable.value = value
-
-
-def _is_floating(x) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)

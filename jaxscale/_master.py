@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxscale import _policy
+
 
 class MasterWeightsState(NamedTuple):
   """State of :func:`master_weights`."""
@@ -117,8 +119,7 @@ def _with_master(params, master):
 
 
 def _is_narrow(x) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+  return _policy.is_floating_array(x) and jnp.finfo(x.dtype).bits < 32
 
 
 def refuse_inside_scaler(inner_state: Any) -> None:

@@ -99,13 +99,13 @@ def cast_floating(tree: T, dtype: Any) -> T:
   arrays they meet.
   """
 
-  def cast(x):
-    leaf_dtype = getattr(x, "dtype", None)
-    if leaf_dtype is not None and jnp.issubdtype(leaf_dtype, jnp.floating):
-      return jnp.asarray(x).astype(dtype)
-    return x
+  return jax.tree.map(lambda x: jnp.asarray(x).astype(dtype) if is_floating_array(x) else x, tree)
 
-  return jax.tree.map(cast, tree)
+
+def is_floating_array(x) -> bool:
+  """Whether ``x`` is an array (or array scalar) of a real floating dtype; keys and float0 are not."""
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def get_policy(spec: Union[str, Policy]) -> Policy:
