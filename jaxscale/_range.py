@@ -176,7 +176,10 @@ def range_stats(tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typi
   floating leaves. Non-finite inputs (an inf or NaN already there) are
   counted in ``nonfinite`` and in nothing else: they are not overflow of the
   cast, and no scale would change them. Exact zeros are counted in ``zeros``.
-  Integer and other non-floating leaves are ignored.
+  Integer and other non-floating leaves are ignored. The product is the
+  device's own float32 multiply: where it flushes float32 subnormals to zero
+  (XLA does on CPUs), so do the statistics; this only
+  matters for bfloat16, whose subnormals lie below float32's normals.
 
   Args:
     tree: a pytree of arrays: gradients (scaled or not), activations, taps.
