@@ -71,7 +71,7 @@ def range_histogram(
             math.log2(float(finfo.max))]
   used = [_range.HISTOGRAM_EXPONENTS[np.asarray(s.histogram) > 0] for p in runs.values() for s in p.values()]
   used = np.concatenate([*used, np.array(limits).round().astype(int)])
-  lo, hi = int(used.min()) - 3, int(used.max()) + 4
+  lo, hi = max(int(used.min()) - 3, -149), min(int(used.max()) + 4, 128)
   zero_at, nonfinite_at = lo - 5, hi + 5
 
   rows = math.ceil(len(names) / columns)
