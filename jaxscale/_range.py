@@ -39,7 +39,7 @@ _NBINS = len(HISTOGRAM_EXPONENTS)
 class RangeStats(NamedTuple):
   """What casting a pytree (times a scale) to a narrow float does; all arrays.
 
-  Fractions are over all ``count`` elements of the floating leaves, so
+  Fractions are over all ``size`` elements of the floating leaves, so
   ``zero_fraction + subnormal_fraction + overflow_fraction`` plus the normal
   values, the exact zeros and the non-finite inputs make up the whole.
   """
@@ -52,7 +52,7 @@ class RangeStats(NamedTuple):
   histogram: jax.Array  # shape=(277,), float32; nonzero finite inputs per binade of |x * scale|
   zeros: jax.Array  # shape=(), float32; inputs exactly 0
   nonfinite: jax.Array  # shape=(), float32; inputs inf or NaN
-  count: jax.Array  # shape=(), float32; all elements of the floating leaves
+  size: jax.Array  # shape=(), float32; all elements of the floating leaves
   leaves: Any = None  # the input's structure, a RangeStats (leaves=None) per floating leaf
 
 
@@ -106,12 +106,12 @@ def _leaf_counts(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> dict[str, j
       "histogram": histogram,
       "zeros": total(finite & ~nonzero),
       "nonfinite": total(~finite),
-      "count": jnp.asarray(x.size, jnp.int32),
+      "size": jnp.asarray(x.size, jnp.int32),
   }
 
 
 def _stats(counts: dict[str, jax.Array], leaves: Any = None) -> RangeStats:
-  count = counts["count"].astype(jnp.float32)
+  count = counts["size"].astype(jnp.float32)
   fraction = lambda k: jnp.where(count > 0, counts[k].astype(jnp.float32) / jnp.maximum(count, 1), 0.0)
   return RangeStats(
       zero_fraction=fraction("zero"),
@@ -122,7 +122,7 @@ def _stats(counts: dict[str, jax.Array], leaves: Any = None) -> RangeStats:
       histogram=counts["histogram"].astype(jnp.float32),
       zeros=counts["zeros"].astype(jnp.float32),
       nonfinite=counts["nonfinite"].astype(jnp.float32),
-      count=count,
+      size=count,
       leaves=leaves,
   )
 
@@ -143,7 +143,7 @@ def _range_stats(tree: Any, scale: jax.Array, dtype: np.dtype) -> RangeStats:
     total = {k: jnp.sum(v.astype(jnp.float32), axis=0) for k, v in stacked.items() if k not in ("min", "max")}
     total.update(min=jnp.min(stacked["min"]), max=jnp.max(stacked["max"]))
   else:
-    total = {k: jnp.zeros((), jnp.float32) for k in ("zero", "subnormal", "overflow", "max", "zeros", "nonfinite", "count")}
+    total = {k: jnp.zeros((), jnp.float32) for k in ("zero", "subnormal", "overflow", "max", "zeros", "nonfinite", "size")}
     total.update(min=jnp.asarray(jnp.inf, jnp.float32), histogram=jnp.zeros(_NBINS, jnp.float32))
   detail = [None if c is None else _stats(c) for c in per_leaf]
   return _stats(total, jax.tree.unflatten(treedef, detail))
@@ -172,7 +172,7 @@ def range_stats(tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typi
     just below it rounds to the largest finite 65504); NaN for float8_e4m3fn,
     which has no inf (``|x * scale| > 464``; up to 464 rounds to 448).
 
-  The denominator of every fraction is ``count``, all elements of the
+  The denominator of every fraction is ``size``, all elements of the
   floating leaves. Non-finite inputs (an inf or NaN already there) are
   counted in ``nonfinite`` and in nothing else: they are not overflow of the
   cast, and no scale would change them. Exact zeros are counted in ``zeros``.
@@ -194,7 +194,7 @@ def range_stats(tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typi
     nonzero finite inputs with ``|x * scale|`` in
     ``[2**e, 2**(e + 1))``, ``e = HISTOGRAM_EXPONENTS[i]``; products beyond
     float32's range are counted in the end bins. So
-    ``histogram.sum() + zeros + nonfinite == count``.
+    ``histogram.sum() + zeros + nonfinite == size``.
 
   Raises:
     ValueError: if ``dtype`` is not such a floating dtype.
@@ -248,10 +248,10 @@ def format_range_stats(stats: RangeStats | dict[str, RangeStats]) -> str:
   ]
   for name, s in rows:
     s = jax.device_get(s)
-    count = max(float(s.count), 1.0)
+    count = max(float(s.size), 1.0)
     percents = [100 * float(f) for f in (s.zero_fraction, s.subnormal_fraction, s.overflow_fraction)]
     percents += [100 * float(s.zeros) / count, 100 * float(s.nonfinite) / count]
     low = "-" if np.isinf(s.min_magnitude) else f"{float(s.min_magnitude):.3g}"
     high = "-" if not s.max_magnitude else f"{float(s.max_magnitude):.3g}"
-    lines.append(f"| {name} | {int(s.count)} | " + " | ".join(f"{p:.2f}" for p in percents) + f" | {low} | {high} |")
+    lines.append(f"| {name} | {int(s.size)} | " + " | ".join(f"{p:.2f}" for p in percents) + f" | {low} | {high} |")
   return "\n".join(lines)

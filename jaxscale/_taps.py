@@ -91,7 +91,7 @@ def tap(
   Tap each name once per forward pass. Gradients of a probe add up where it
   is used more than once (a layer called twice, a tap inside ``lax.scan`` or
   ``vmap`` with the probes closed over): the counts then add up too
-  (``count`` becomes a multiple of ``x.size``), but the fractions and
+  (``size`` becomes a multiple of ``x.size``), but the fractions and
   magnitudes no longer mean anything. Inside a scan, pass the probes stacked
   along the scanned axis instead, one per iteration.
 
@@ -112,7 +112,7 @@ def tap(
     ...   return jnp.sum(h) * 1e-9
     >>> probes = jaxscale.tap_probes(["hidden"])
     >>> grad_w, stats = jax.grad(loss, argnums=(0, 2))(2.0, jnp.ones(4), probes)
-    >>> float(stats["hidden"].zero_fraction), int(stats["hidden"].count)
+    >>> float(stats["hidden"].zero_fraction), int(stats["hidden"].size)
     (1.0, 4)
     >>> grad_w == jax.grad(loss)(2.0, jnp.ones(4))
     Array(True, dtype=bool, weak_type=True)

@@ -88,7 +88,7 @@ def range_histogram(
       if name not in panels:
         continue
       s = panels[name]
-      count = max(float(s.count), 1.0)
+      count = max(float(s.size), 1.0)
       inside = (_range.HISTOGRAM_EXPONENTS >= lo) & (_range.HISTOGRAM_EXPONENTS < hi)
       values = np.asarray(s.histogram)[inside] / count
       edges = np.arange(lo, hi + 1)

@@ -28,5 +28,5 @@ def reference(x, scale, dtype):
       "histogram": np.bincount((exponents + 149).astype(int), minlength=277),
       "zeros": np.sum(finite & (x == 0)),
       "nonfinite": np.sum(~finite),
-      "count": x.size,
+      "size": x.size,
   }

@@ -65,7 +65,7 @@ def test_matches_numpy_cast_over_the_whole_range_and_at_the_boundaries(name, str
     for key in ("random", "edges", "half"):
       assert_matches(stats.leaves[key], reference(tree[key], scale, dtype))
     assert stats.leaves["step"] is None
-    assert float(stats.histogram.sum() + stats.zeros + stats.nonfinite) == float(stats.count)
+    assert float(stats.histogram.sum() + stats.zeros + stats.nonfinite) == float(stats.size)
   assert f._cache_size() == 1
 
 
@@ -92,7 +92,7 @@ def test_e4m3fn_overflow_is_nan_beyond_its_rounding_of_448():
 
 def test_empty_and_integer_trees():
   stats = jaxscale.range_stats({"n": jnp.arange(3), "empty": jnp.zeros((0,), jnp.float32)})
-  assert float(stats.count) == 0 and float(stats.zero_fraction) == 0.0
+  assert float(stats.size) == 0 and float(stats.zero_fraction) == 0.0
   assert float(stats.min_magnitude) == np.inf and float(stats.max_magnitude) == 0.0
   assert jaxscale.range_stats({}).histogram.shape == (277,)
 
