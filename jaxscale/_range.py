@@ -133,7 +133,6 @@ def _is_floating(x: Any) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _range_stats(tree: Any, scale: jax.Array, dtype: np.dtype) -> RangeStats:
-  scale = jnp.asarray(scale, jnp.float32)
   leaves, treedef = jax.tree.flatten(tree)
   per_leaf = [_leaf_counts(jnp.asarray(x), scale, dtype) if _is_floating(x) else None for x in leaves]
   present = [c for c in per_leaf if c is not None]
@@ -210,7 +209,8 @@ def range_stats(tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typi
     >>> float(jaxscale.range_stats(grads, scale=1024.0).zero_fraction)
     0.0
   """
-  return _range_stats(tree, scale, _check_dtype(dtype))
+  # A float32 array whatever was given, so that 1.0 and jnp.float32(1.0) share one compilation.
+  return _range_stats(tree, jnp.asarray(scale, jnp.float32), _check_dtype(dtype))
 
 
 def format_range_stats(stats: RangeStats | dict[str, RangeStats]) -> str:

@@ -28,10 +28,15 @@ _FALLBACK_SCALE = 2.0**16  # torch's init_scale, when the gradients say nothing
 
 
 def _max_magnitude(tree: Any) -> jax.Array:
-  """Largest |x| over the finite elements of the floating leaves, as float32 bits (int32)."""
+  """Largest |x| over the finite elements of the floating leaves, as float32 bits (int32).
+
+  A :class:`RangeStats` in the tree (tap statistics) counts with its ``max_magnitude``.
+  """
   maxima = [jnp.zeros((), jnp.int32)]
-  for x in jax.tree.leaves(tree):
-    if _range._is_floating(x):
+  for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, _range.RangeStats)):
+    if isinstance(x, _range.RangeStats):
+      maxima.append(jax.lax.bitcast_convert_type(x.max_magnitude, jnp.int32))
+    elif _range._is_floating(x):
       x = jnp.asarray(x).astype(jnp.float32)
       bits = _range._magnitude_bits(x).astype(jnp.int32)
       maxima.append(jnp.max(jnp.where(jnp.isfinite(x), bits, 0), initial=0))
@@ -61,8 +66,9 @@ def suggest_scale(
 ) -> jax.Array:
   """The largest power-of-two loss scale at which no element of ``tree`` overflows, over ``headroom``.
 
-  ``tree`` holds unscaled gradients (parameter and activation gradients: pass
-  both, or use :func:`probe_scale`). At the returned scale ``s``,
+  ``tree`` holds unscaled gradients: parameter gradients, and activation
+  gradients or the :class:`RangeStats` that :func:`tap` collected for them
+  (each counts with its ``max_magnitude``); :func:`probe_scale` does it all. At the returned scale ``s``,
   ``max |x| * s * headroom <= finfo(dtype).max``, and ``2 * s * headroom``
   would overflow. The default headroom of 2**3 leaves room for gradients
   8 times larger than the probe's (later batches, the first updates, the
@@ -75,7 +81,8 @@ def suggest_scale(
   is clipped to float32's normal powers of two, 2**-126 to 2**127.
 
   Args:
-    tree: a pytree of unscaled gradients (non-floating leaves are ignored).
+    tree: a pytree of unscaled gradients and tap statistics (non-floating
+      leaves are ignored).
     dtype: the dtype the scaled gradients must fit (static).
     headroom: a power of two >= 1 to divide the largest safe scale by.
 
@@ -173,9 +180,7 @@ def probe_scale(
       return grad(scaled_loss)(params, None), {}
     return grad(scaled_loss, argnums=(0, 1))(params, probes)
 
-  grads, tap_stats = measure(1.0)
-  maxima = [_max_magnitude(grads)] + [jax.lax.bitcast_convert_type(s.max_magnitude, jnp.int32) for s in tap_stats.values()]
-  bits = jnp.max(jnp.stack(maxima))
+  bits = _max_magnitude(measure(1.0))
   scale = _scale_for(bits, dtype, headroom_exponent)
   scaled_grads, scaled_taps = measure(scale)
   return ProbeResult(

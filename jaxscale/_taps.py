@@ -40,7 +40,7 @@ def _tap_fwd(x, probe, dtype):
 
 def _tap_bwd(dtype, residual, cotangent):
   del residual
-  return cotangent, _range._range_stats(cotangent, 1.0, dtype)._replace(leaves=None)
+  return cotangent, _range._range_stats(cotangent, jnp.ones((), jnp.float32), dtype)._replace(leaves=None)
 
 
 _tap.defvjp(_tap_fwd, _tap_bwd)

@@ -109,3 +109,13 @@ def test_rejects_dtypes_it_cannot_see(dtype):
   dtype = getattr(jnp, dtype, dtype) if isinstance(dtype, str) else dtype
   with pytest.raises(ValueError, match="`dtype`"):
     jaxscale.range_stats(jnp.ones(2), dtype=dtype)
+
+
+def test_one_compilation_whatever_form_the_scale_takes():
+  tree = {"a": jnp.ones(3), "b": jnp.ones((2, 2), jnp.float16)}
+  from jaxscale import _range
+
+  before = _range._range_stats._cache_size()
+  for scale in (1.0, 2, jnp.float32(8.0), np.float32(3.0), jnp.asarray(4.0, jnp.bfloat16)):
+    jaxscale.range_stats(tree, scale=scale)
+  assert _range._range_stats._cache_size() == before + 1

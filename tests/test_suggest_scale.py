@@ -78,6 +78,8 @@ def test_probe_scale_on_a_model_with_known_gradients():
   assert float(probe.taps["h"].overflow_fraction) == 0.0
   unscaled = jaxscale.range_stats(weight * c * x)
   assert float(probe.stats.zero_fraction) < float(unscaled.zero_fraction)
+  grads, taps = jax.grad(loss_fn, argnums=(0, 2))(jnp.ones(64), jnp.asarray(x), jaxscale.tap_probes(["h"]))
+  assert float(jaxscale.suggest_scale((grads, taps))) == float(probe.scale) < float(jaxscale.suggest_scale(grads))
   state = jaxscale.init(init_scale=float(probe.scale))
   assert float(state.scale) == float(probe.scale)
 
