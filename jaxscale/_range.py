@@ -81,6 +81,8 @@ def _magnitude_bits(x: jax.Array) -> jax.Array:
 
 def _leaf_counts(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> dict[str, jax.Array]:
   """One leaf's counts, from one read of ``x`` (XLA fuses the reductions)."""
+  if x.size >= 2**31:
+    raise ValueError(f"`range_stats` counts each leaf in int32; a leaf of shape {x.shape} is too large: split it.")
   x = x.astype(jnp.float32)
   finite = jnp.isfinite(x)
   nonzero = finite & (_magnitude_bits(x) != 0)

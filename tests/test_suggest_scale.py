@@ -84,10 +84,18 @@ def test_probe_scale_on_a_model_with_known_gradients():
   assert float(state.scale) == float(probe.scale)
 
 
-def test_probe_scale_with_nnx():
-  model = nnx.Linear(8, 2, rngs=nnx.Rngs(0))
-  x = jnp.ones((4, 8))
-  loss_fn = lambda model, x: 1e-7 * jnp.mean(model(x) ** 2)
-  probe = jaxscale.probe_scale(loss_fn, model, x, grad=nnx.grad)
-  assert float(probe.scale) == float(jaxscale.suggest_scale(nnx.grad(loss_fn)(model, x)))
-  assert probe.taps == {}
+class TappedNNX(nnx.Module):
+  def __init__(self, rngs):
+    self.up, self.down = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x, taps=None):
+    return self.down(jaxscale.tap(nnx.relu(self.up(x)), taps, "hidden"))
+
+
+def test_probe_scale_with_nnx_under_nnx_jit():
+  model, x = TappedNNX(nnx.Rngs(0)), jnp.ones((4, 8))
+  loss_fn = lambda model, x, taps=None: 1e-7 * jnp.mean(model(x, taps) ** 2)
+  probe = nnx.jit(lambda m, x: jaxscale.probe_scale(loss_fn, m, x, taps=["hidden"], grad=nnx.grad))(model, x)
+  grads, taps = nnx.grad(loss_fn, argnums=(0, 2))(model, x, jaxscale.tap_probes(["hidden"]))
+  assert float(probe.scale) == float(jaxscale.suggest_scale((grads, taps)))
+  assert sorted(probe.taps) == ["hidden"]
