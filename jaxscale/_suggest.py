@@ -1,7 +1,8 @@
 """A start scale that skips nothing: the largest safe power of two, from one probe step.
 
 Every peer starts its loss scale at a fixed guess (torch and Flax 2**16, Keras
-2**15, Megatron-LM 2**32) and skips steps while it backs off into range. The gradients of one step say where that range is::
+2**15, Megatron-LM 2**32) and skips steps while it backs off into range. The
+gradients of one step say where that range is::
 
     m = max |g| over the (unscaled) gradients and tapped activation gradients
     scale = 2**floor(log2(max_finite(dtype) / m)) / headroom
