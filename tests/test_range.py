@@ -119,3 +119,18 @@ def test_one_compilation_whatever_form_the_scale_takes():
   for scale in (1.0, 2, jnp.float32(8.0), np.float32(3.0), jnp.asarray(4.0, jnp.bfloat16)):
     jaxscale.range_stats(tree, scale=scale)
   assert _range._range_stats._cache_size() == before + 1
+
+
+def test_under_lax_cond_every_n_steps():
+  grads = {"w": jnp.array([1e-9, 1e-6, 1.0]), "b": jnp.array([7e4])}
+
+  @jax.jit
+  def step(grads, i):
+    skipped = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(jaxscale.range_stats, grads))
+    return jax.lax.cond(i % 10 == 0, jaxscale.range_stats, lambda g: skipped, grads)
+
+  direct = jaxscale.range_stats(grads)
+  for a, b in zip(jax.tree.leaves(step(grads, 20)), jax.tree.leaves(direct), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert float(step(grads, 3).overflow_fraction) == 0.0 and float(direct.overflow_fraction) == 0.25
+  assert step._cache_size() == 1
