@@ -18,13 +18,13 @@ from jaxscale import _range
 _STYLES = ("-", "--", ":", "-.")
 
 
-def _pyplot() -> Any:
+def _figure_class() -> Any:
+  # A bare Figure, not pyplot: no backend to choose, no global registry of open figures.
   try:
-    import matplotlib  # noqa: F401
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
   except ImportError:
     raise ImportError("jaxscale.plot needs matplotlib: pip install 'jaxscale[plot]'.") from None
-  return plt
+  return Figure
 
 
 def range_histogram(
@@ -59,8 +59,16 @@ def range_histogram(
   Raises:
     ImportError: without matplotlib.
     ValueError: if ``stats_by_run`` is empty.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxscale, jaxscale.plot
+    >>> g = jnp.array([1e-9, 1e-6, 0.0, 0.5])
+    >>> runs = {"unscaled": jaxscale.range_stats(g), "x 2^10": jaxscale.range_stats(g, scale=1024.0)}
+    >>> fig = jaxscale.plot.range_histogram(runs, title="gradients")
+    >>> fig.axes[0].get_xlabel()
+    'log2 |x|;  inputs exactly zero, and inf or NaN, at the ends'
   """
-  plt = _pyplot()
+  figure_class = _figure_class()
   if not stats_by_run:
     raise ValueError("`stats_by_run` must hold at least one run, got an empty mapping.")
   runs = {run: ({"": s} if isinstance(s, _range.RangeStats) else dict(s)) for run, s in stats_by_run.items()}
@@ -76,7 +84,8 @@ def range_histogram(
 
   rows = math.ceil(len(names) / columns)
   ncols = min(columns, len(names))
-  fig, axes = plt.subplots(rows, ncols, figsize=(4.6 * ncols, 3.2 * rows + 0.6), squeeze=False)
+  fig = figure_class(figsize=(4.6 * ncols, 3.2 * rows + 0.6))
+  axes = fig.subplots(rows, ncols, squeeze=False)
   for ax in axes.flat[len(names):]:
     ax.set_visible(False)
   width = 1.6 / len(runs)
