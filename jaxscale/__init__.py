@@ -1,12 +1,6 @@
 """jaxscale: dynamic loss scaling for float16 training in JAX."""
 
-from jaxscale._autocast import autocast
-from jaxscale._device import recommended_policy, supports_bfloat16, supports_float16
-from jaxscale._grad import value_and_grad
-from jaxscale._master import MasterWeightsState, master_weights
-from jaxscale._metrics import metrics
-from jaxscale._optax import DynamicLossScalingState, dynamic_loss_scaling, find_scaler
-from jaxscale._policy import Policy, get_policy, needs_loss_scaling
+# The loss scaler and its Optax wrapper.
 from jaxscale._scaler import (
     ScalerState,
     all_finite,
@@ -17,33 +11,59 @@ from jaxscale._scaler import (
     unscale_and_check,
     update,
 )
+from jaxscale._grad import value_and_grad
+from jaxscale._optax import DynamicLossScalingState, dynamic_loss_scaling, find_scaler
 from jaxscale._torch_compat import load_state_dict, state_dict
+from jaxscale._metrics import metrics
+
+# Mixed precision around the scaler.
+from jaxscale._policy import Policy, get_policy, needs_loss_scaling
+from jaxscale._autocast import autocast
+from jaxscale._master import MasterWeightsState, master_weights
+from jaxscale._device import recommended_policy, supports_bfloat16, supports_float16
+
+# Seeing the float16 range.
+from jaxscale._range import HISTOGRAM_EXPONENTS, RangeStats, format_range_stats, range_stats
+from jaxscale._taps import tap, tap_probes
+from jaxscale._suggest import ProbeResult, probe_scale, suggest_scale
 
 __version__ = "0.1.0"
 
 __all__ = (
+    # The loss scaler and its Optax wrapper.
     "DynamicLossScalingState",
-    "MasterWeightsState",
-    "Policy",
     "ScalerState",
     "all_finite",
-    "autocast",
     "configure",
     "dynamic_loss_scaling",
     "find_scaler",
-    "get_policy",
     "init",
     "load_state_dict",
-    "master_weights",
     "metrics",
-    "needs_loss_scaling",
     "raise_if_stalled",
-    "recommended_policy",
     "scale",
     "state_dict",
-    "supports_bfloat16",
-    "supports_float16",
     "unscale_and_check",
     "update",
     "value_and_grad",
+    # Mixed precision around the scaler.
+    "MasterWeightsState",
+    "Policy",
+    "autocast",
+    "get_policy",
+    "master_weights",
+    "needs_loss_scaling",
+    "recommended_policy",
+    "supports_bfloat16",
+    "supports_float16",
+    # Seeing the float16 range.
+    "HISTOGRAM_EXPONENTS",
+    "ProbeResult",
+    "RangeStats",
+    "format_range_stats",
+    "probe_scale",
+    "range_stats",
+    "suggest_scale",
+    "tap",
+    "tap_probes",
 )

@@ -8,6 +8,7 @@ import jaxscale
 DESIGN_NAMES = {
     "ScalerState", "init", "scale", "unscale_and_check", "update",
     "dynamic_loss_scaling", "find_scaler", "state_dict", "load_state_dict",
+    "range_stats", "suggest_scale",
 }
 
 
@@ -21,7 +22,7 @@ def test_importing_jaxscale_pulls_in_no_optional_dependency():
   # Only what jaxscale itself imports: optax < 0.2.7 imports chex, a dependency of its own.
   code = (
       "import sys, jax, optax; before = set(sys.modules); import jaxscale; "
-      "print(sorted({'flax', 'torch', 'orbax', 'chex'} & (set(sys.modules) - before)))"
+      "print(sorted({'flax', 'torch', 'orbax', 'chex', 'matplotlib'} & (set(sys.modules) - before)))"
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]"

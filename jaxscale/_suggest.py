@@ -1,0 +1,191 @@
+"""A start scale that skips nothing: the largest safe power of two, from one probe step.
+
+Every peer starts its loss scale at a fixed guess (torch and Flax 2**16, Keras
+2**15, Megatron-LM 2**32) and skips steps while it backs off into range. The
+gradients of one step say where that range is::
+
+    m = max |g| over the (unscaled) gradients and tapped activation gradients
+    scale = 2**floor(log2(max_finite(dtype) / m)) / headroom
+
+:func:`suggest_scale` does this for a pytree; :func:`probe_scale` runs the
+probe step, then a second one at the scale found, to report what underflows
+there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxscale import _range, _taps
+
+DEFAULT_HEADROOM = 8.0
+_FALLBACK_SCALE = 2.0**16  # torch's init_scale, when the gradients say nothing
+
+
+def _max_magnitude(tree: Any) -> jax.Array:
+  """Largest |x| over the finite elements of the floating leaves, as float32 bits (int32).
+
+  A :class:`RangeStats` in the tree (tap statistics) counts with its ``max_magnitude``.
+  """
+  maxima = [jnp.zeros((), jnp.int32)]
+  for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, _range.RangeStats)):
+    if isinstance(x, _range.RangeStats):
+      maxima.append(jax.lax.bitcast_convert_type(x.max_magnitude, jnp.int32))
+    elif _range._is_floating(x):
+      x = jnp.asarray(x).astype(jnp.float32)
+      bits = _range._magnitude_bits(x).astype(jnp.int32)
+      maxima.append(jnp.max(jnp.where(jnp.isfinite(x), bits, 0), initial=0))
+  return jnp.max(jnp.stack(maxima))
+
+
+def _check_headroom(headroom: float) -> int:
+  exponent = np.log2(headroom) if isinstance(headroom, (int, float)) and headroom >= 1 else 0.5
+  if exponent != int(exponent):
+    raise ValueError(f"`headroom` must be a power of two >= 1 (such as 8.0), got {headroom!r}.")
+  return int(exponent)
+
+
+def _scale_for(bits: jax.Array, dtype: np.dtype, headroom: int) -> jax.Array:
+  """2**k for the largest k with m * 2**k <= max finite, over 2**headroom; m's float32 bits in."""
+  top = int(np.array(jnp.finfo(dtype).max, np.float32).view(np.int32))
+  # m = (1 + mantissa) * 2**exponent; m * 2**k <= top iff k <= top's exponent - m's, less one
+  # when m's mantissa is the larger. Float32 subnormal maxima count as 2**-127: the clip decides.
+  exponent = jnp.maximum(bits >> 23, 0) - 127
+  k = (top >> 23) - 127 - exponent - ((bits & 0x7FFFFF) > (top & 0x7FFFFF)).astype(jnp.int32) - headroom
+  scale = jax.lax.bitcast_convert_type((jnp.clip(k, -126, 127) + 127) << 23, jnp.float32)
+  return jnp.where(bits > 0, scale, jnp.float32(_FALLBACK_SCALE))
+
+
+def suggest_scale(
+    tree: Any, *, dtype: jax.typing.DTypeLike = jnp.float16, headroom: float = DEFAULT_HEADROOM
+) -> jax.Array:
+  """The largest power-of-two loss scale at which no element of ``tree`` overflows, over ``headroom``.
+
+  ``tree`` holds unscaled gradients: parameter gradients, and activation
+  gradients or the :class:`RangeStats` that :func:`tap` collected for them
+  (each counts with its ``max_magnitude``); :func:`probe_scale` does it all. At the returned scale ``s``,
+  ``max |x| * s * headroom <= finfo(dtype).max``, and ``2 * s * headroom``
+  would overflow. The default headroom of 2**3 leaves room for gradients
+  8 times larger than the probe's (later batches, the first updates, the
+  activation gradients nobody tapped) at the cost of 3 binades at the small
+  end; a larger spike is one skipped step per halving, as usual.
+
+  Non-finite elements are ignored (no scale would make them finite; the
+  scaler skips such a step whatever its scale). A tree with no nonzero finite
+  element says nothing, and gives 2**16, torch's default start. The result
+  is clipped to float32's normal powers of two, 2**-126 to 2**127.
+
+  Args:
+    tree: a pytree of unscaled gradients and tap statistics (non-floating
+      leaves are ignored).
+    dtype: the dtype the scaled gradients must fit (static).
+    headroom: a power of two >= 1 to divide the largest safe scale by.
+
+  Returns:
+    The scale, a float32 scalar array (jittable: no host sync).
+
+  Raises:
+    ValueError: if ``headroom`` is not a power of two >= 1, or ``dtype`` not
+      a narrow floating dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxscale
+    >>> grads = {"w": jnp.array([3e-3, -1.0e-6]), "b": jnp.array([2.0])}
+    >>> jaxscale.suggest_scale(grads)  # 2 * 2**14 <= 65504 < 2 * 2**15
+    Array(2048., dtype=float32)
+    >>> jaxscale.suggest_scale(grads, headroom=1)
+    Array(16384., dtype=float32)
+    >>> jaxscale.suggest_scale(grads, dtype=jnp.bfloat16)
+    Array(1.0633824e+37, dtype=float32)
+  """
+  return _scale_for(_max_magnitude(tree), _range._check_dtype(dtype), _check_headroom(headroom))
+
+
+class ProbeResult(NamedTuple):
+  """What :func:`probe_scale` found; all arrays."""
+
+  scale: jax.Array  # shape=(), float32; the suggested start scale
+  stats: _range.RangeStats  # the parameter gradients at `scale`, cast to the dtype
+  taps: dict[str, _range.RangeStats]  # each tap's activation gradients at `scale`
+  max_magnitude: jax.Array  # shape=(), float32; largest unscaled |gradient|, taps included
+
+
+def probe_scale(
+    loss_fn: Callable[..., jax.Array],
+    params: Any,
+    *args: Any,
+    taps: Iterable[str] = (),
+    dtype: jax.typing.DTypeLike = jnp.float16,
+    headroom: float = DEFAULT_HEADROOM,
+    grad: Callable[..., Callable[..., Any]] = jax.grad,
+) -> ProbeResult:
+  """One probe step of the real loss on a real batch: a start scale and what underflows at it.
+
+  Differentiates ``loss_fn(params, *args)`` (with ``taps=tap_probes(taps)``
+  as a keyword when ``taps`` are named) once unscaled, takes
+  :func:`suggest_scale` of the parameter and tapped activation gradients,
+  and differentiates again with the loss multiplied by that scale to report
+  :func:`range_stats` of both there. Run the probe in float32 to see what
+  float16 would do at each scale; in float16 it is the real thing (but an
+  unscaled float16 pass may already have lost its small gradients, which do
+  not decide the scale).
+
+  Traceable: call it under ``jax.jit`` (``nnx.jit`` for NNX) to compile it
+  once. Eagerly it runs op by op.
+
+  Args:
+    loss_fn: ``loss_fn(params, *args[, taps=probes])`` returning a scalar loss.
+    params: what to differentiate: a pytree of parameters, or an NNX module
+      with ``grad=nnx.grad``.
+    *args: the batch and anything else ``loss_fn`` takes.
+    taps: the names of the :func:`tap` calls in ``loss_fn`` to take into
+      account; empty: ``loss_fn`` is called without ``taps``.
+    dtype: the dtype of the scaled gradients (float16 unless told).
+    headroom: as in :func:`suggest_scale`.
+    grad: the differentiation to use (``jax.grad``, ``nnx.grad``).
+
+  Returns:
+    A :class:`ProbeResult`; pass ``float(result.scale)`` as ``init_scale``
+    to :func:`jaxscale.dynamic_loss_scaling` or :func:`jaxscale.init`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxscale
+    >>> def loss_fn(w, x, taps=None):
+    ...   h = jaxscale.tap(jnp.tanh(x @ w), taps, "hidden")
+    ...   return jnp.mean(h ** 2) * 1e-9  # gradients ~1e-10: all zero in float16
+    >>> w, x = jnp.full((4, 3), 0.1), jnp.ones((8, 4))
+    >>> float(jaxscale.range_stats(jax.grad(loss_fn)(w, x)).zero_fraction)
+    1.0
+    >>> probe = jaxscale.probe_scale(loss_fn, w, x, taps=["hidden"])
+    >>> float(probe.scale) == 2.0**45, float(probe.stats.zero_fraction), float(probe.taps["hidden"].zero_fraction)
+    (True, 0.0, 0.0)
+    >>> tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=float(probe.scale))
+  """
+  dtype = _range._check_dtype(dtype)
+  headroom_exponent = _check_headroom(headroom)
+  names = list(taps)
+  probes = _taps.tap_probes(names) if names else None
+
+  def measure(scale):
+    def scaled_loss(params, probes):
+      loss = loss_fn(params, *args, **({} if probes is None else {"taps": probes}))
+      return loss * jnp.asarray(scale, loss.dtype)
+
+    if probes is None:
+      return grad(scaled_loss)(params, None), {}
+    return grad(scaled_loss, argnums=(0, 1))(params, probes)
+
+  bits = _max_magnitude(measure(1.0))
+  scale = _scale_for(bits, dtype, headroom_exponent)
+  scaled_grads, scaled_taps = measure(scale)
+  return ProbeResult(
+      scale=scale,
+      stats=_range.range_stats(scaled_grads, dtype=dtype),
+      taps=scaled_taps,
+      max_magnitude=jax.lax.bitcast_convert_type(bits, jnp.float32),
+  )

@@ -1,0 +1,101 @@
+"""suggest_scale and probe_scale: the largest power of two that fits, over the headroom."""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxscale
+from _range_reference import reference
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+          "float8_e5m2": ml_dtypes.float8_e5m2}
+
+
+def overflows(x, scale, dtype):
+  with warnings.catch_warnings(), np.errstate(over="ignore"):
+    warnings.simplefilter("ignore")
+    return not np.all(np.isfinite((np.asarray(x, np.float32) * np.float32(scale)).astype(dtype).astype(np.float32)))
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("largest", [3.0, 2.0**-20, 65504.0, 1e30])
+def test_known_largest_gradient_gives_the_expected_power_of_two(name, largest, strict_promotion):
+  dtype, headroom = DTYPES[name], 8.0
+  top = float(ml_dtypes.finfo(dtype).max)
+  expected = min(max(2.0 ** math.floor(math.log2(top / largest)) / headroom, 2.0**-126), 2.0**127)
+  # A linear model whose gradient is c: the largest |c| is known.
+  c = np.asarray(np.random.default_rng(0).uniform(-1, 1, 50) * largest / 2, np.float32)
+  c[7] = -largest
+  grads = jax.grad(lambda w: jnp.vdot(w, jnp.asarray(c)))(jnp.zeros(50))
+  f = jax.jit(lambda g: jaxscale.suggest_scale({"w": g, "n": jnp.arange(2)}, dtype=getattr(jnp, name)))
+  scale = f(grads)
+  assert scale.dtype == jnp.float32 and float(scale) == expected
+  clipped = expected == 2.0**127  # bfloat16 at 2**-20: no float32 power of two is too large
+  assert not overflows(c, float(scale) * (1 if clipped else headroom), dtype)
+  assert clipped or overflows(c, 2 * float(scale) * headroom, dtype)
+  f(grads * 2)
+  assert f._cache_size() == 1
+
+
+def test_headroom_and_what_says_nothing():
+  g = jnp.array([3.0, -1e-3])
+  assert float(jaxscale.suggest_scale(g, headroom=1)) == 2.0**14
+  assert float(jaxscale.suggest_scale(g, headroom=2**5)) == 2.0**9
+  with_bad = jnp.array([3.0, -1e-3, jnp.inf, jnp.nan])
+  assert float(jaxscale.suggest_scale(with_bad)) == float(jaxscale.suggest_scale(g))
+  assert float(jaxscale.suggest_scale({"z": jnp.zeros(3), "n": jnp.array([jnp.nan])})) == 2.0**16
+  assert float(jaxscale.suggest_scale({})) == 2.0**16
+  for bad in (3.0, 0.5, 0):
+    with pytest.raises(ValueError, match="`headroom`"):
+      jaxscale.suggest_scale(g, headroom=bad)
+
+
+def test_probe_scale_on_a_model_with_known_gradients():
+  """loss = weight * sum(c * tap(x * w)): the tap's cotangent is weight * c, w's is weight * c * x."""
+  rng = np.random.default_rng(1)
+  c = rng.uniform(-1, 1, 64).astype(np.float32)
+  x = rng.uniform(0.0, 0.25, 64).astype(np.float32)
+  weight = np.float32(1e-6)
+
+  def loss_fn(w, x, taps=None):
+    return weight * jnp.sum(jnp.asarray(c) * jaxscale.tap(x * w, taps, "h"))
+
+  probe = jax.jit(lambda w, x: jaxscale.probe_scale(loss_fn, w, x, taps=["h"]))(jnp.ones(64), jnp.asarray(x))
+  largest = float(np.max(np.abs(weight * c)))  # the tap's, four times the parameters'
+  assert float(probe.max_magnitude) == pytest.approx(largest, rel=1e-6)
+  assert float(probe.scale) == 2.0 ** math.floor(math.log2(65504 / largest)) / 8
+  expected = reference(weight * c * x, float(probe.scale), np.float16)
+  np.testing.assert_allclose(float(probe.stats.zero_fraction), expected["zero_fraction"])
+  np.testing.assert_allclose(float(probe.stats.subnormal_fraction), expected["subnormal_fraction"])
+  tap = reference(weight * c * np.float32(probe.scale), 1.0, np.float16)
+  np.testing.assert_allclose(float(probe.taps["h"].max_magnitude), tap["max_magnitude"], rtol=1e-6)
+  assert float(probe.taps["h"].overflow_fraction) == 0.0
+  unscaled = jaxscale.range_stats(weight * c * x)
+  assert float(probe.stats.zero_fraction) < float(unscaled.zero_fraction)
+  grads, taps = jax.grad(loss_fn, argnums=(0, 2))(jnp.ones(64), jnp.asarray(x), jaxscale.tap_probes(["h"]))
+  assert float(jaxscale.suggest_scale((grads, taps))) == float(probe.scale) < float(jaxscale.suggest_scale(grads))
+  state = jaxscale.init(init_scale=float(probe.scale))
+  assert float(state.scale) == float(probe.scale)
+
+
+class TappedNNX(nnx.Module):
+  def __init__(self, rngs):
+    self.up, self.down = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x, taps=None):
+    return self.down(jaxscale.tap(nnx.relu(self.up(x)), taps, "hidden"))
+
+
+def test_probe_scale_with_nnx_under_nnx_jit():
+  model, x = TappedNNX(nnx.Rngs(0)), jnp.ones((4, 8))
+  loss_fn = lambda model, x, taps=None: 1e-7 * jnp.mean(model(x, taps) ** 2)
+  probe = nnx.jit(lambda m, x: jaxscale.probe_scale(loss_fn, m, x, taps=["hidden"], grad=nnx.grad))(model, x)
+  grads, taps = nnx.grad(loss_fn, argnums=(0, 2))(model, x, jaxscale.tap_probes(["hidden"]))
+  assert float(probe.scale) == float(jaxscale.suggest_scale((grads, taps)))
+  assert sorted(probe.taps) == ["hidden"]
