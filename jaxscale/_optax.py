@@ -7,6 +7,7 @@ import sys
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import optax
 from jax.extend import core as jex_core

@@ -27,6 +27,7 @@ import math
 from typing import Any, Literal, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
