@@ -2,7 +2,9 @@
 
 For each peer, `test_same_trajectory_as_the_peer[peer]` runs a training loop written with the
 peer ("before") and the same loop written with jaxscale ("after") on one sequence of gradients
-that overflows now and then, and asserts the same scale and the same parameters step by step.
+that overflows now and then, and asserts the same scale, the same growth counter (jmp's
+`counter`, Flax's `fin_steps`, Keras's `step_counter`, torch's growth tracker) and the same
+parameters, step by step.
 Each semantic difference a guide states has a test of its own, named after it, that observes it
 by running the peer. torch is optional here (`importorskip`): its tests run where it is installed.
 """
@@ -58,15 +60,18 @@ def run_jaxscale(grads, inner=None, **options):
   trajectory = []
   for g in grads:
     w, opt_state = step(w, opt_state, g)
-    trajectory.append((float(jaxscale.find_scaler(opt_state).scale), np.asarray(w)))
+    scaler = jaxscale.find_scaler(opt_state)
+    trajectory.append((float(scaler.scale), int(scaler.growth_tracker), np.asarray(w)))
   assert step._cache_size() == 1
   return trajectory
 
 
 def assert_same_trajectory(theirs, ours):
+  """Scale, growth counter (where the peer has one: None otherwise) and parameters, step by step."""
   assert len(theirs) == len(ours)
-  for step, ((t_scale, t_w), (o_scale, o_w)) in enumerate(zip(theirs, ours)):
+  for step, ((t_scale, t_count, t_w), (o_scale, o_count, o_w)) in enumerate(zip(theirs, ours)):
     assert t_scale == o_scale, f"step {step}: scale {t_scale} (peer) != {o_scale} (jaxscale)"
+    assert t_count is None or t_count == o_count, f"step {step}: counter {t_count} (peer) != {o_count}"
     np.testing.assert_array_equal(o_w, t_w, err_msg=f"step {step}")
 
 
@@ -94,7 +99,7 @@ def run_jmp(grads, *, init_scale=2.0**15, period=INTERVAL):
   trajectory = []
   for g in grads:
     w, opt_state, loss_scale = step(w, opt_state, loss_scale, g)
-    trajectory.append((float(loss_scale.loss_scale), np.asarray(w)))
+    trajectory.append((float(loss_scale.loss_scale), int(loss_scale.counter), np.asarray(w)))
   return trajectory
 
 
@@ -117,7 +122,7 @@ def run_flax(grads, *, init_scale=2.0**16, growth_interval=INTERVAL - 1):
   trajectory = []
   for g in grads:
     w, opt_state, ds = step(w, opt_state, ds, g)
-    trajectory.append((float(ds.scale), np.asarray(w)))
+    trajectory.append((float(ds.scale), int(ds.fin_steps), np.asarray(w)))
   return trajectory
 
 
@@ -139,6 +144,7 @@ def run_keras(grads, *, init_scale=2.0**15, growth_steps=INTERVAL):
   tx.build([keras.Variable(w)])
   paths = [v.path for v in tx.variables]
   scale_at = next(i for i, p in enumerate(paths) if p.endswith("dynamic_scale"))
+  counter_at = next(i for i, p in enumerate(paths) if p.endswith("step_counter"))
 
   @jax.jit
   def step(w, variables, g):
@@ -151,7 +157,7 @@ def run_keras(grads, *, init_scale=2.0**15, growth_steps=INTERVAL):
   trajectory = []
   for g in grads:
     w, variables = step(w, variables, g)
-    trajectory.append((float(variables[scale_at]), np.asarray(w)))
+    trajectory.append((float(variables[scale_at]), int(variables[counter_at]), np.asarray(w)))
   return trajectory
 
 
@@ -169,7 +175,7 @@ def run_apply_if_finite(grads, *, max_consecutive_errors=100):
   trajectory = []
   for g in grads:
     w, opt_state = step(w, opt_state, g)
-    trajectory.append((1.0, np.asarray(w)))
+    trajectory.append((1.0, None, np.asarray(w)))
   return trajectory
 
 
@@ -188,7 +194,7 @@ def run_torch(grads, *, init_scale=2.0**16, growth_interval=INTERVAL, clip=None)
       torch.nn.utils.clip_grad_norm_([w], clip)
     scaler.step(opt)
     scaler.update()
-    trajectory.append((scaler.get_scale(), w.detach().numpy().copy()))
+    trajectory.append((scaler.get_scale(), scaler._get_growth_tracker(), w.detach().numpy().copy()))
   return trajectory
 
 
@@ -210,7 +216,7 @@ def test_same_trajectory_as_the_peer(peer):
   theirs = run_peer(GRADS)
   ours = run_jaxscale(GRADS, **options)
   assert_same_trajectory(theirs, ours)
-  scales = [s for s, _ in ours]
+  scales = [s for s, *_ in ours]
   if peer != "optax_apply_if_finite":  # the sequence exercises both growth and backoff
     assert max(scales) > options["init_scale"] and min(scales) < options["init_scale"]
 
@@ -313,16 +319,16 @@ def test_jmp_select_tree_is_a_where_over_the_tree(pred):
 
 def test_flax_grows_one_step_later_than_torch_for_the_same_interval():
   grads = gradient_sequence()[:4]  # four finite steps
-  theirs = [s for s, _ in run_flax(grads, growth_interval=2)]
-  ours = [s for s, _ in run_jaxscale(grads, growth_interval=2)]
+  theirs = [s for s, *_ in run_flax(grads, growth_interval=2)]
+  ours = [s for s, *_ in run_jaxscale(grads, growth_interval=2)]
   assert theirs == [2.0**16, 2.0**16, 2.0**17, 2.0**17]  # on the 3rd finite step
   assert ours == [2.0**16, 2.0**17, 2.0**17, 2.0**18]  # on the 2nd, 4th, ...
 
 
 def test_flax_clamps_the_scale_at_float32_max():
   grads = np.full((2, 3), 2.0**-30, np.float32)  # scaled by 2**127, still finite
-  theirs = [s for s, _ in run_flax(grads, init_scale=2.0**127, growth_interval=0)]
-  ours = [s for s, _ in run_jaxscale(grads, init_scale=2.0**127, growth_interval=1)]
+  theirs = [s for s, *_ in run_flax(grads, init_scale=2.0**127, growth_interval=0)]
+  ours = [s for s, *_ in run_jaxscale(grads, init_scale=2.0**127, growth_interval=1)]
   assert theirs == [float(jnp.finfo(jnp.float32).max)] * 2  # not a power of two: unscaling rounds
   assert ours == [2.0**127] * 2  # torch's rule: keep the scale when growing would overflow
 
@@ -395,11 +401,11 @@ def test_keras_factors_are_fixed():
 def test_keras_scale_grows_to_inf_and_every_later_step_is_skipped():
   grads = np.full((3, 3), 1.0, np.float32)
   theirs = run_keras(grads, init_scale=2.0**127, growth_steps=1)
-  assert [s for s, _ in theirs] == [np.inf] * 3
-  np.testing.assert_array_equal(theirs[-1][1], theirs[0][1])  # no step after the first
+  assert [s for s, *_ in theirs] == [np.inf] * 3
+  np.testing.assert_array_equal(theirs[-1][-1], theirs[0][-1])  # no step after the first
   ours = run_jaxscale(grads, init_scale=2.0**127, growth_interval=1)
-  assert [s for s, _ in ours] == [2.0**127] * 3
-  np.testing.assert_array_equal(ours[-1][1], 1.0 - 3 * LR)  # every step applied
+  assert [s for s, *_ in ours] == [2.0**127] * 3
+  np.testing.assert_array_equal(ours[-1][-1], 1.0 - 3 * LR)  # every step applied
 
 
 # ------------------------------------------------------------------ optax.apply_if_finite
@@ -408,9 +414,9 @@ def test_keras_scale_grows_to_inf_and_every_later_step_is_skipped():
 def test_apply_if_finite_gives_up_after_max_consecutive_errors():
   grads = np.array([[1.0, np.nan, 1.0]] * 4, np.float32)
   theirs = run_apply_if_finite(grads, max_consecutive_errors=2)
-  assert all(np.isfinite(w).all() for _, w in theirs[:2]) and np.isnan(theirs[2][1]).any()
+  assert all(np.isfinite(w).all() for *_, w in theirs[:2]) and np.isnan(theirs[2][-1]).any()
   ours = run_jaxscale(grads, init_scale=1.0, dynamic=False)
-  np.testing.assert_array_equal(ours[-1][1], np.ones(3))  # skipped, however many in a row
+  np.testing.assert_array_equal(ours[-1][-1], np.ones(3))  # skipped, however many in a row
 
 
 def test_apply_if_finite_skipped_update_turns_minus_zero_into_zero():
@@ -444,11 +450,11 @@ def test_torch_unscale_and_clip_matches_clipping_inside_to_rounding():
   torch_run = run_torch(GRADS * 64, clip=1.0)  # large enough that every step clips
   ours = run_jaxscale(GRADS * 64, inner=optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(LR)),
                       init_scale=2.0**16, growth_interval=INTERVAL)
-  assert [s for s, _ in torch_run] == [s for s, _ in ours]
-  for (_, t_w), (_, o_w) in zip(torch_run, ours):
+  assert [s for s, *_ in torch_run] == [s for s, *_ in ours]
+  for (*_, t_w), (*_, o_w) in zip(torch_run, ours):
     np.testing.assert_allclose(o_w, t_w, rtol=1e-6)
   # torch's clip_grad_norm_ divides by `norm + 1e-6`, optax by `norm`: the last bits differ.
-  assert any((t_w != o_w).any() for (_, t_w), (_, o_w) in zip(torch_run, ours))
+  assert any((t_w != o_w).any() for (*_, t_w), (*_, o_w) in zip(torch_run, ours))
 
 
 def test_torch_several_optimizers_each_skip_on_their_own():
@@ -504,7 +510,7 @@ def test_torch_gradient_accumulation_matches_accumulating_inside_the_step():
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
-    theirs.append((scaler.get_scale(), w.detach().numpy().copy()))
+    theirs.append((scaler.get_scale(), scaler._get_growth_tracker(), w.detach().numpy().copy()))
 
   tx = jaxscale.dynamic_loss_scaling(optax.sgd(LR), init_scale=2.0**16, growth_interval=1)
   w = jnp.ones(3)
@@ -521,7 +527,8 @@ def test_torch_gradient_accumulation_matches_accumulating_inside_the_step():
   ours = []
   for window in grads.reshape(-1, k, 3):
     w, opt_state = step(w, opt_state, window)
-    ours.append((float(jaxscale.find_scaler(opt_state).scale), np.asarray(w)))
+    scaler = jaxscale.find_scaler(opt_state)
+    ours.append((float(scaler.scale), int(scaler.growth_tracker), np.asarray(w)))
   assert_same_trajectory(theirs, ours)
 
 
@@ -578,7 +585,7 @@ def test_torch_lr_scheduler_steps_on_skipped_steps_and_warns():
 
   ours = run_jaxscale(grads, inner=optax.sgd(lambda count: 0.5**count), growth_interval=100)
   # jaxscale: the schedule counts applied steps only: 1, 0.5, 0.25.
-  np.testing.assert_array_equal(ours[-1][1], 1 - (1 + 0.5 + 0.25))
+  np.testing.assert_array_equal(ours[-1][-1], 1 - (1 + 0.5 + 0.25))
 
 
 def test_torch_refuses_to_unscale_float16_gradients():
