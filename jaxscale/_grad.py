@@ -25,6 +25,19 @@ def value_and_grad(
   :func:`update`, or to the Optax wrapper as
   ``tx.update(grads, opt_state, params, finite=finite)``.
 
+  Args:
+    fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
+      ``has_aux``.
+    argnums: as in ``jax.grad``: which positional argument(s) to
+      differentiate with respect to.
+    has_aux: as in ``jax.grad``.
+    axis_name: inside ``shard_map``/``pmap``, the axis over which every device
+      must agree on the finite flag.
+
+  Returns:
+    A function taking the scaler state, then ``fun``'s arguments, and
+    returning ``(value, grads, finite)``.
+
   Examples:
     >>> import jax.numpy as jnp, jaxscale
     >>> scaler = jaxscale.init(init_scale=1024.0)

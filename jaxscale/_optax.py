@@ -7,6 +7,7 @@ import sys
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import optax
 from jax.extend import core as jex_core
@@ -15,7 +16,16 @@ from jaxscale import _master, _scaler
 
 
 class DynamicLossScalingState(NamedTuple):
-  """State of :func:`dynamic_loss_scaling`."""
+  """State of :func:`dynamic_loss_scaling`: the scaler's state and the inner optimizer's.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxscale
+    >>> opt_state = jaxscale.dynamic_loss_scaling(optax.adam(1e-3)).init(jnp.zeros(3))
+    >>> opt_state.scaler.scale
+    Array(65536., dtype=float32)
+    >>> type(opt_state.inner_state[0]).__name__  # adam's own state, as optax.adam builds it
+    'ScaleByAdamState'
+  """
 
   scaler: _scaler.ScalerState
   inner_state: optax.OptState
@@ -171,8 +181,21 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
   ``opt_state`` (whose leaves NNX wraps in Variables: they are unwrapped, so
   the result works with :func:`jaxscale.scale` and reads as numbers).
 
+  Args:
+    opt_state: any pytree holding exactly one :class:`ScalerState`.
+
+  Returns:
+    That :class:`ScalerState`.
+
   Raises:
     ValueError: if ``opt_state`` holds no scaler, or more than one.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxscale
+    >>> tx = optax.chain(optax.add_decayed_weights(1e-4),
+    ...                  jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=512.0))
+    >>> jaxscale.find_scaler(tx.init(jnp.zeros(3))).scale
+    Array(512., dtype=float32)
   """
   found = [
       leaf

@@ -27,6 +27,7 @@ import math
 from typing import Any, Literal, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -40,6 +41,14 @@ class ScalerState(NamedTuple):
   The hyperparameters live here too, as arrays: they are checkpointed with the
   state, exported by :func:`state_dict`, and can be changed between steps with
   :func:`configure` without recompiling anything.
+
+  Examples:
+    >>> import jaxscale
+    >>> state = jaxscale.init(init_scale=1024.0)
+    >>> state.scale, state.growth_tracker
+    (Array(1024., dtype=float32), Array(0, dtype=int32))
+    >>> state.growth_interval  # options are arrays in the state too
+    Array(2000, dtype=int32)
   """
 
   scale: jax.Array  # shape=(), dtype=float32; 1.0 when disabled
@@ -165,6 +174,17 @@ def configure(state: ScalerState, **options: Any) -> ScalerState:
   Concrete values are validated like :func:`init`'s; traced ones are not.
   On a disabled state the scale stays 1.0.
 
+  Args:
+    state: the scaler state to change.
+    **options: the options to change, by name, each a number or a scalar array.
+
+  Returns:
+    ``state`` with those options replaced, every leaf still a scalar array of
+    its dtype.
+
+  Raises:
+    ValueError: if an option is unknown or out of range.
+
   Examples:
     >>> import jaxscale
     >>> state = jaxscale.configure(jaxscale.init(), scale=128.0, growth_interval=10)
@@ -266,6 +286,14 @@ def unscale_and_check(
     ``(grads, finite)``: the unscaled gradients, and a scalar bool array that
     is True iff every element of every unscaled leaf is finite (on every
     device of ``axis_name``). Always True when the state is disabled.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxscale
+    >>> state = jaxscale.init(init_scale=1024.0)
+    >>> jaxscale.unscale_and_check(state, {"w": jnp.array([512.0, 2048.0])})
+    ({'w': Array([0.5, 2. ], dtype=float32)}, Array(True, dtype=bool))
+    >>> jaxscale.unscale_and_check(state, jnp.array([1.0, jnp.inf], jnp.float16))
+    (Array([0.000977, inf], dtype=float16), Array(False, dtype=bool))
   """
   r1, r2 = _reciprocal_factors(state.scale)
   unscaled = jax.tree.map(lambda g: _times(g, r1, r2), grads)
@@ -330,6 +358,10 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
     axis_name: inside ``shard_map`` or ``pmap``, the axis (or axes) over which
       every device must agree.
 
+  Returns:
+    A scalar bool array: True iff no floating leaf holds an inf or a NaN (on
+    any device of ``axis_name``). True for a tree without floating leaves.
+
   Examples:
     >>> import jax.numpy as jnp, jaxscale
     >>> jaxscale.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
@@ -360,6 +392,16 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
 
   Branch-free, so it jits once whatever the flag, the scale and the options.
   A disabled state is returned unchanged.
+
+  Args:
+    state: the scaler state of the step.
+    finite: a scalar bool (array): whether the step's gradients were all
+      finite, as :func:`unscale_and_check` returns it.
+
+  Returns:
+    The next :class:`ScalerState`: after a finite step the growth tracker
+    counts up and the scale grows every ``growth_interval`` steps; after a
+    non-finite one the step counts as skipped and the scale backs off.
 
   Examples:
     >>> import jaxscale
@@ -396,6 +438,23 @@ def raise_if_stalled(state: ScalerState) -> None:
 
   This reads one bool from the device, so it synchronises with it: call it
   where you already log, not on every step.
+
+  Args:
+    state: a scaler state, e.g. ``jaxscale.find_scaler(opt_state)``.
+
+  Raises:
+    FloatingPointError: if a step overflowed while the scale was already at
+      ``min_scale`` and the state was built with ``on_stall="raise"``.
+
+  Examples:
+    >>> import jaxscale
+    >>> state = jaxscale.init(init_scale=1.0, min_scale=1.0, on_stall="raise")
+    >>> jaxscale.raise_if_stalled(state)  # fine so far
+    >>> state = jaxscale.update(state, False)  # an overflow at the floor
+    >>> jaxscale.raise_if_stalled(state)
+    Traceback (most recent call last):
+    ...
+    FloatingPointError: jaxscale: a step overflowed while the loss scale was already at `min_scale` (1.0); ...
   """
   if bool(jax.device_get(state.stalled)):
     raise FloatingPointError(

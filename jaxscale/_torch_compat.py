@@ -27,6 +27,14 @@ def state_dict(state: _scaler.ScalerState) -> dict[str, float | int]:
   (``min_scale``, ``hysteresis``, ...) are not included: checkpoint the
   :class:`ScalerState` itself (Orbax, Flax serialization) to keep them.
 
+  Args:
+    state: the scaler state.
+
+  Returns:
+    A dict of Python numbers under torch's keys (``scale``, ``growth_factor``,
+    ``backoff_factor``, ``growth_interval``, ``_growth_tracker``), or ``{}``
+    for a disabled state.
+
   Examples:
     >>> import jaxscale
     >>> jaxscale.state_dict(jaxscale.init())
@@ -46,10 +54,26 @@ def load_state_dict(state: _scaler.ScalerState, d: Mapping[str, Any]) -> _scaler
   their values from ``state``. As in torch, loading into a disabled state
   does nothing.
 
+  Args:
+    state: the scaler state to load into; it supplies the options torch does
+      not have.
+    d: a torch ``GradScaler`` state dict.
+
+  Returns:
+    ``state`` with the scale, the growth tracker and torch's options from ``d``.
+
   Raises:
     ValueError: if ``d`` is empty (saved from a disabled scaler), lacks one of
       torch's keys, has a key torch does not write, or holds an
       out-of-range value.
+
+  Examples:
+    >>> import jaxscale
+    >>> d = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+    ...      "growth_interval": 100, "_growth_tracker": 7}
+    >>> state = jaxscale.load_state_dict(jaxscale.init(), d)
+    >>> float(state.scale), int(state.growth_tracker), int(state.growth_interval)
+    (1024.0, 7, 100)
   """
   if not bool(jax.device_get(state.enabled)):
     return state

@@ -77,7 +77,14 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-from flax import nnx
+
+try:
+  from flax import nnx
+except ImportError as e:  # an optional extra: say which one
+  raise ImportError(
+      "`jaxscale.flax` needs Flax, an optional dependency of jaxscale that is not installed; "
+      "install it with `pip install 'jaxscale[flax]'`."
+  ) from e
 
 from jaxscale import _grad
 

@@ -1,7 +1,11 @@
 """The public surface: DESIGN.md's fixed names, documented, and nothing heavy imported."""
 
+import inspect
+import re
 import subprocess
 import sys
+
+import pytest
 
 import jaxscale
 
@@ -26,3 +30,31 @@ def test_importing_jaxscale_pulls_in_no_optional_dependency():
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]"
+
+
+def public_callables():
+  import jaxscale.flax
+
+  named = {name: getattr(jaxscale, name) for name in jaxscale.__all__}
+  named["flax.value_and_grad"] = jaxscale.flax.value_and_grad
+  return named
+
+
+SECTION = re.compile(r"^(Args|Returns|Raises|Examples|Attributes):\n((?:(?: +.*)?\n)*)", re.M)
+
+
+@pytest.mark.parametrize("name", public_callables())
+def test_docstring_has_args_returns_and_examples(name):
+  obj = public_callables()[name]
+  doc = inspect.getdoc(obj) + "\n"
+  sections = dict(SECTION.findall(doc))
+  assert ">>>" in sections.get("Examples", ""), f"{name}: no `Examples:` section with a `>>>` example"
+  if inspect.isclass(obj):
+    return
+  signature = inspect.signature(obj)
+  if signature.parameters:
+    args = sections.get("Args", "")
+    for parameter in signature.parameters:
+      assert re.search(rf"^ +\**{parameter}( \(.*\))?:", args, re.M), f"{name}: `Args:` does not describe `{parameter}`"
+  if signature.return_annotation not in ("None", None):
+    assert sections.get("Returns", "").strip(), f"{name}: no `Returns:` section"
