@@ -234,22 +234,40 @@ def describe_regime(args: argparse.Namespace) -> str:
           "activation gradients to zero (below 2^-24) unless the loss is scaled.")
 
 
+def load_data(args: argparse.Namespace) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The training bytes, and the held-out windows every evaluation uses (the same whatever the seed)."""
+  data = load_stdlib_bytes(int(args.data_mb * 2**20))
+  split = int(0.9 * len(data))
+  train_data, heldout = data[:split], data[split:]
+  eval_rng = np.random.default_rng(10_000)
+  eval_windows = [sample_windows(heldout, eval_rng, args.batch, args.seq_len) for _ in range(args.eval_batches)]
+  print(f"{len(data) / 2**20:.1f} MiB of {sysconfig.get_paths()['stdlib']}/**.py: "
+        f"{len(train_data):,} training bytes, {len(heldout):,} held out; {jax.devices()[0].platform}")
+  return train_data, eval_windows
+
+
+def make_optimizer(args: argparse.Namespace, config: _common.RunConfig) -> optax.GradientTransformation:
+  """Adam with warmup and cosine decay, inside jaxscale's wrapper (disabled for the unscaled runs).
+
+  The runs are compared at the end, where a decayed learning rate makes the
+  final loss depend less on the path that led there. Skipped steps do not
+  advance the schedule.
+  """
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10
+  )
+  return jaxscale.dynamic_loss_scaling(
+      optax.adam(schedule, eps=1e-8 * args.loss_weight), enabled=config.scaling, init_scale=args.init_scale,
+      growth_interval=args.growth_interval,
+  )
+
+
 def train_runs(args: argparse.Namespace, train_data: np.ndarray, eval_windows: list[np.ndarray]):
   """The selected runs of `_common.RUNS`, one after the other; returns their results and the last model."""
   results = []
   for config in _common.selected_runs(args):
     model = build(args, config.dtype, args.seed)
-    # Warmup and cosine decay: the runs are compared at the end, where a decayed
-    # learning rate makes the final loss depend less on the path that led there.
-    # Skipped steps do not advance the schedule.
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10
-    )
-    tx = jaxscale.dynamic_loss_scaling(
-        optax.adam(schedule, eps=1e-8 * args.loss_weight), enabled=config.scaling, init_scale=args.init_scale,
-        growth_interval=args.growth_interval,
-    )
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_optimizer(args, config), wrt=nnx.Param)
     traces = _common.TraceCounter()
     train_step = make_train_step(args.loss_weight, traces)
     rng = np.random.default_rng(args.seed)
@@ -262,13 +280,7 @@ def train_runs(args: argparse.Namespace, train_data: np.ndarray, eval_windows: l
 
 def main(argv=None):
   args = parse_args(argv)
-  data = load_stdlib_bytes(int(args.data_mb * 2**20))
-  split = int(0.9 * len(data))
-  train_data, heldout = data[:split], data[split:]
-  eval_rng = np.random.default_rng(10_000)  # the same held-out windows whatever the seed
-  eval_windows = [sample_windows(heldout, eval_rng, args.batch, args.seq_len) for _ in range(args.eval_batches)]
-  print(f"{len(data) / 2**20:.1f} MiB of {sysconfig.get_paths()['stdlib']}/**.py: "
-        f"{len(train_data):,} training bytes, {len(heldout):,} held out; {jax.devices()[0].platform}")
+  train_data, eval_windows = load_data(args)
   print(textwrap.fill(describe_regime(args), 100) + "\n")
 
   results, model = train_runs(args, train_data, eval_windows)
