@@ -124,7 +124,8 @@ def main(argv=None):
   print(f"\nCNN (width {args.width}) on sklearn digits, {len(train_idx)} train / {len(test)} held-out images, "
         f"batch {args.batch}, {args.steps} steps, loss weight {args.loss_weight:g}\n")
   print(_common.results_table(results))
-  print("\n" + textwrap.fill(_common.summary(results), 100))
+  # 360 held-out images: runs that differ only in rounding end a few percent apart in held-out loss.
+  print("\n" + textwrap.fill(_common.summary(results, tolerance=0.05), 100))
   return results
 
 
