@@ -275,15 +275,18 @@ def plot_runs(results: list[Result], path: str, *, title: str, smooth: int = 20)
     top.plot(steps[window - 1 :], smoothed, **style)
     markers = dict(marker=marker, color=style["color"], ms=5, mec="k", mew=0.5)
     top.plot(r.eval_steps, [m["loss"] for m in r.eval_metrics], ls="", zorder=style["zorder"] + 3, **markers)
-    handles.append(matplotlib.lines.Line2D([], [], **{**style, **markers}, label=f"{r.name}: held-out {final:.3f}"))
+    ending = f"held-out {final:.3f}" if math.isfinite(final) else "diverged (NaN)"
+    handles.append(matplotlib.lines.Line2D([], [], **{**style, **markers}, label=f"{r.name}: {ending}"))
     if r.scale.max() != 1.0 or r.skipped.any():  # only the scaled runs have a scale to show
       bottom.plot(steps, r.scale, **style, label=f"{r.name}: loss scale")
       bottom.plot(steps[r.skipped], r.scale[r.skipped], "x", color="C3", ms=6, zorder=5,
                   label=f"skipped steps: {int(r.skipped.sum())}")
   top.set_yscale("log")  # float16 without scaling can diverge by orders of magnitude
-  # Plain numbers on the log axis, a few per decade, so that every curve's level can be read off.
-  nice = [k * 10.0**e for e in range(-4, 4) for k in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8)]
+  # Plain numbers on the log axis, as many per decade as fit, so that every curve's level can be read off.
   low, high = top.get_ylim()
+  decades = math.log10(high / low)
+  mantissas = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8) if decades < 0.8 else (1, 2, 5) if decades < 2.5 else (1,)
+  nice = [k * 10.0**e for e in range(-6, 6) for k in mantissas]
   top.set_yticks([t for t in nice if low <= t <= high], minor=False)
   top.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
   top.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
