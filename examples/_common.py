@@ -108,6 +108,13 @@ def add_flags(
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
+def regime(loss_weight: float) -> str:
+  """The loss weight's regime, for a figure's title."""
+  if loss_weight == 1:
+    return "the plain loss"
+  return f"loss x {loss_weight:g}: gradients {1 / loss_weight:g} times smaller, where float16 underflows"
+
+
 def selected_runs(args: argparse.Namespace) -> list[RunConfig]:
   return [RUNS[int(i)] for i in args.runs.split(",")]
 

@@ -120,7 +120,7 @@ def main(argv=None):
     traces.assert_once()
 
   if not args.no_plot:
-    _common.plot_runs(results, args.out, title=f"CNN on sklearn digits (loss weight {args.loss_weight:g})")
+    _common.plot_runs(results, args.out, title=f"CNN on sklearn digits\n{_common.regime(args.loss_weight)}")
   print(f"\nCNN (width {args.width}) on sklearn digits, {len(train_idx)} train / {len(test)} held-out images, "
         f"batch {args.batch}, {args.steps} steps, loss weight {args.loss_weight:g}\n")
   print(_common.results_table(results))

@@ -287,10 +287,8 @@ def main(argv=None):
 
   setting = f"loss weight {args.loss_weight:g}, depth {args.depth}, init std {args.init_std:g}"
   if not args.no_plot:
-    regime = ("the plain loss" if args.loss_weight == 1 else
-              f"loss x {args.loss_weight:g}: gradients {1 / args.loss_weight:g} times smaller, where float16 underflows")
     _common.plot_runs(results, args.out, title=f"byte-level Transformer LM on the Python stdlib, "
-                      f"depth {args.depth}, init std {args.init_std:g}\n{regime}")
+                      f"depth {args.depth}, init std {args.init_std:g}\n{_common.regime(args.loss_weight)}")
   if results[-1].name == _common.RUNS[-1].name:
     panels = gradient_evidence(args, model, results[-1].final_scale, eval_windows[0])
     if not args.no_plot:
