@@ -14,7 +14,6 @@ alone loses to float32, and jaxscale's scale recovers it.
 
     python examples/lm.py                             # float16 loses, jaxscale recovers: 2-3 minutes on 2 CPU cores
     python examples/lm.py --loss-weight 1 --steps 600  # the plain loss: float16 alone is close to float32 at this size
-    python examples/lm.py --loss-weight 1 --steps 600 --depth 4 --init-std 0.0005  # small init: float16 falls behind
     python examples/lm.py --steps 5000 --width 512 --depth 8 --seq-len 256 --batch 64  # a GPU
 
 The NNX recipe is in `make_train_step`; see also `jaxscale.flax`.
