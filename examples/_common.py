@@ -234,7 +234,8 @@ def summary(results: list[Result], *, tolerance: float = 0.02) -> str:
   clauses = [versus(name) for name in held_out]
   scaled = [r for r in results if r.name == RUNS[2].name]
   if scaled:
-    clauses[-1] += f" with {int(scaled[0].skipped.sum())} skipped steps"
+    skips = int(scaled[0].skipped.sum())
+    clauses[-1] += f" with {skips} skipped step{'' if skips == 1 else 's'}"
   unscaled, with_jaxscale = held_out.get(RUNS[1].name), held_out.get(RUNS[2].name)
   if unscaled is not None and with_jaxscale is not None:
     lost = not math.isfinite(unscaled) or unscaled > ref * (1 + tolerance)

@@ -73,13 +73,13 @@ def fake_run(name, held_out, skipped=0):
     "losses, expected",
     [
         ((2.0, 5.0, 2.01), "Against float32's held-out loss of 2.000, float16 loses to float32 (5.000, +150.0%) and "
-         "float16 + jaxscale matches float32 (2.010, +0.5%) with 1 skipped steps: loss scaling recovers what "
+         "float16 + jaxscale matches float32 (2.010, +0.5%) with 1 skipped step: loss scaling recovers what "
          "float16 alone loses."),
         ((2.0, math.nan, 2.01), "Against float32's held-out loss of 2.000, float16 diverged (held-out loss nan) and "
-         "float16 + jaxscale matches float32 (2.010, +0.5%) with 1 skipped steps: loss scaling recovers what "
+         "float16 + jaxscale matches float32 (2.010, +0.5%) with 1 skipped step: loss scaling recovers what "
          "float16 alone loses."),
         ((2.0, 2.02, 1.9), "Against float32's held-out loss of 2.000, float16 matches float32 (2.020, +1.0%) and "
-         "float16 + jaxscale beats float32 (1.900, -5.0%) with 1 skipped steps."),
+         "float16 + jaxscale beats float32 (1.900, -5.0%) with 1 skipped step."),
     ],
     ids=["float16_loses", "float16_diverges", "all_train"],
 )
