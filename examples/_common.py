@@ -55,23 +55,39 @@ class Result:
   skipped: np.ndarray  # shape=(steps,), bool: the steps the scaler skipped
   eval_steps: list[int]
   eval_metrics: list[dict[str, float]]  # one dict per evaluation, e.g. {"loss": ..}
-  wall_s: float
+  step_seconds: np.ndarray  # shape=(steps,): each training step's time, waited for; step 1 compiles
   final_scale: float
 
+  @property
+  def ms_per_step(self) -> float:
+    """Steady-state step time: the median over the steps after the first (which compiles)."""
+    return 1e3 * float(np.median(self.step_seconds[1:] if len(self.step_seconds) > 1 else self.step_seconds))
 
-def add_flags(parser: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, out: str) -> None:
+  @property
+  def compile_s(self) -> float:
+    """The first step's time beyond a steady-state step: tracing and compiling the training step."""
+    return float(self.step_seconds[0]) - self.ms_per_step / 1e3
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """``--help`` keeps the module docstring's line breaks and shows every flag's default."""
+
+
+def add_flags(
+    parser: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, loss_weight: float, out: str
+) -> None:
   """The flags every example takes; each example adds its model's own."""
   parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
   parser.add_argument("--batch", type=int, default=batch, help="batch size")
-  parser.add_argument("--lr", type=float, default=lr, help="Adam learning rate")
-  parser.add_argument("--seed", type=int, default=0, help="model init and data order, same for every run")
+  parser.add_argument("--lr", type=float, default=lr, help="Adam's (peak) learning rate")
+  parser.add_argument("--seed", type=int, default=0, help="model init and data order, the same for every run")
   parser.add_argument(
       "--loss-weight",
       type=float,
-      default=1.0,
-      help="multiply the loss by this before differentiating: a small weight (1e-3) makes the "
-      "gradients small enough to underflow in float16. Adam's eps is multiplied by it too, which "
-      "leaves float32 training unchanged up to rounding: what changes is what float16 can represent",
+      default=loss_weight,
+      help="multiply the loss by this before differentiating, and Adam's eps with it: float32 training "
+      "stays the same up to rounding, but every gradient is this much smaller, which is where float16 "
+      "underflows without a loss scale; 1 trains on the plain loss",
   )
   parser.add_argument("--init-scale", type=float, default=2.0**16, help="jaxscale's first loss scale")
   parser.add_argument(
@@ -79,7 +95,7 @@ def add_flags(parser: argparse.ArgumentParser, *, steps: int, batch: int, lr: fl
       type=int,
       default=200,
       help="jaxscale's growth interval: shorter than torch's 2000, so that a short run shows the "
-      "scale growing, overflowing and backing off",
+      "scale growing (and, if it overflows, backing off)",
   )
   parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: 10 times per run)")
   parser.add_argument(
@@ -87,9 +103,16 @@ def add_flags(parser: argparse.ArgumentParser, *, steps: int, batch: int, lr: fl
       default=",".join(str(i) for i in range(len(RUNS))),
       help="which runs, as indices into: " + ", ".join(f"{i}={r.name}" for i, r in enumerate(RUNS)),
   )
-  parser.add_argument("--out", default=out, help="where to write the figure")
-  parser.add_argument("--no-plot", action="store_true", help="do not write any figure")
+  parser.add_argument("--out", default=out, help="where to write the figure of the runs")
+  parser.add_argument("--no-plot", action="store_true", help="write no figure")
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def regime(loss_weight: float) -> str:
+  """The loss weight's regime, for a figure's title."""
+  if loss_weight == 1:
+    return "the plain loss"
+  return f"loss x {loss_weight:g}: gradients {1 / loss_weight:g} times smaller, where float16 underflows"
 
 
 def selected_runs(args: argparse.Namespace) -> list[RunConfig]:
@@ -135,17 +158,19 @@ def train(
   """Runs ``step(batch) -> (loss, scale, skipped)`` over ``batches``.
 
   ``step`` updates the model itself (an NNX object, or a Linen state held by
-  the caller's closure). The per-step scalars stay on the device until the run
-  ends, so the host only waits on them when the progress bar refreshes.
+  the caller's closure). The loop waits for each step to finish, so that its
+  time is its own (the first one's includes compiling the step) and excludes
+  the evaluations; the per-step scalars are read once, when the run ends.
   """
-  history = []
+  history, seconds = [], []
   evals = eval_steps(args)
   eval_metrics = []
-  start = time.perf_counter()
   bar = tqdm.tqdm(total=args.steps, desc=config.name, disable=args.no_progress, leave=False)
   shown = {}
   for i, batch in zip(range(1, args.steps + 1), batches):
-    history.append(step(batch))
+    start = time.perf_counter()
+    history.append(jax.block_until_ready(step(batch)))
+    seconds.append(time.perf_counter() - start)
     if i in evals:
       eval_metrics.append(evaluate())
       shown["eval"] = f"{eval_metrics[-1]['loss']:.3f}"
@@ -163,26 +188,60 @@ def train(
       skipped=skipped.astype(bool),
       eval_steps=evals,
       eval_metrics=eval_metrics,
-      wall_s=time.perf_counter() - start,
+      step_seconds=np.asarray(seconds),
       final_scale=float(scale[-1]),
   )
 
 
 def results_table(results: list[Result], *, last: int = 50) -> str:
-  """A Markdown table: final train loss (mean of the last steps), held-out metrics, skips, scale, time."""
+  """A Markdown table of the runs: final losses, skipped steps, scale, and step time apart from compilation."""
   metrics = list(results[0].eval_metrics[-1])
-  header = ["run", f"train loss (last {last})", *(f"held-out {m}" for m in metrics)]
-  header += ["skipped steps", "final scale", "wall s"]
+  header = [
+      "run", *(f"held-out {m}" for m in metrics), f"train loss (mean of last {last} steps)", "skipped steps",
+      "final loss scale", "ms/step (median, after step 1)", "compile s (step 1 minus median)",
+  ]
   rows = []
   for r in results:
     tail = r.loss[-last:]
     train = float(np.mean(tail[np.isfinite(tail)])) if np.isfinite(tail).any() else math.nan
     rows.append(
-        [r.name, f"{train:.4f}", *(f"{r.eval_metrics[-1][m]:.4f}" for m in metrics)]
-        + [str(int(r.skipped.sum())), f"{r.final_scale:g}", f"{r.wall_s:.1f}"]
+        [r.name, *(f"{r.eval_metrics[-1][m]:.4f}" for m in metrics), f"{train:.4f}", str(int(r.skipped.sum())),
+         f"{r.final_scale:g}", f"{r.ms_per_step:.1f}", f"{r.compile_s:.1f}"]
     )
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def summary(results: list[Result], *, tolerance: float = 0.02) -> str:
+  """One sentence saying what the table shows, from its held-out losses.
+
+  A run "matches" float32 when its final held-out loss is within ``tolerance``
+  (relative) of float32's; one run per precision cannot resolve finer than that.
+  """
+  held_out = {r.name: r.eval_metrics[-1]["loss"] for r in results}
+  if RUNS[0].name not in held_out or len(held_out) < 2:
+    return "Run float32 and another precision (--runs 0,1,2) for a comparison."
+  ref = held_out.pop(RUNS[0].name)
+
+  def versus(name: str) -> str:
+    loss = held_out[name]
+    if not math.isfinite(loss):
+      return f"{name} diverged (held-out loss {loss})"
+    change = (loss - ref) / ref
+    where = "matches float32" if abs(change) <= tolerance else ("loses to float32" if change > 0 else "beats float32")
+    return f"{name} {where} ({loss:.3f}, {change:+.1%})"
+
+  clauses = [versus(name) for name in held_out]
+  scaled = [r for r in results if r.name == RUNS[2].name]
+  if scaled:
+    skips = int(scaled[0].skipped.sum())
+    clauses[-1] += f" with {skips} skipped step{'' if skips == 1 else 's'}"
+  unscaled, with_jaxscale = held_out.get(RUNS[1].name), held_out.get(RUNS[2].name)
+  if unscaled is not None and with_jaxscale is not None:
+    lost = not math.isfinite(unscaled) or unscaled > ref * (1 + tolerance)
+    if lost and abs(with_jaxscale - ref) <= tolerance * ref:
+      clauses[-1] += ": loss scaling recovers what float16 alone loses"
+  return f"Against float32's held-out loss of {ref:.3f}, " + " and ".join(clauses) + "."
 
 
 def _pyplot():
@@ -194,37 +253,65 @@ def _pyplot():
   return plt
 
 
+# How each run is drawn, the same in every figure: float32 wide and pale underneath, so that a
+# float16 run that matches it shows on top of it instead of hiding it.
+STYLES = {
+    RUNS[0].name: dict(color="0.6", lw=3.5, ls="-", marker="o", zorder=1),
+    RUNS[1].name: dict(color="C1", lw=1.3, ls="-", marker="s", zorder=2),
+    RUNS[2].name: dict(color="C2", lw=1.3, ls="--", marker="^", zorder=3),
+}
+
+
 def plot_runs(results: list[Result], path: str, *, title: str, smooth: int = 20) -> None:
-  """Top: each run's training loss (smoothed) and held-out loss. Bottom: the loss scale, skips marked."""
+  """Top: each run's training loss (smoothed) and held-out loss. Bottom: the loss scale, skips marked.
+
+  The legends stand to the right of the axes, outside the data.
+  """
   plt = _pyplot()
-  fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
-  colors = {config.name: f"C{i}" for i, config in enumerate(RUNS)}  # a run keeps its color in every figure
+  import matplotlib.lines
+  import matplotlib.ticker
+
+  fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, height_ratios=(2, 1))
+  handles = []
   for r in results:
-    color = colors[r.name]
+    style = dict(STYLES[r.name])
+    marker = style.pop("marker")
     steps = np.arange(1, len(r.loss) + 1)
     window = min(smooth, len(r.loss))
     smoothed = np.convolve(r.loss, np.ones(window) / window, mode="valid")
-    top.plot(steps[window - 1 :], smoothed, color=color, lw=1.2, label=f"{r.name} (train)")
-    top.plot(r.eval_steps, [m["loss"] for m in r.eval_metrics], "o--", color=color, ms=3, lw=0.8,
-             label=f"{r.name} (held-out)")
+    final = r.eval_metrics[-1]["loss"]
+    top.plot(steps[window - 1 :], smoothed, **style)
+    markers = dict(marker=marker, color=style["color"], ms=5, mec="k", mew=0.5)
+    top.plot(r.eval_steps, [m["loss"] for m in r.eval_metrics], ls="", zorder=style["zorder"] + 3, **markers)
+    ending = f"held-out {final:.3f}" if math.isfinite(final) else "diverged (NaN)"
+    handles.append(matplotlib.lines.Line2D([], [], **{**style, **markers}, label=f"{r.name}: {ending}"))
     if r.scale.max() != 1.0 or r.skipped.any():  # only the scaled runs have a scale to show
-      bottom.semilogy(steps, r.scale, color=color, lw=1.2, label=f"{r.name}: loss scale", base=2)
-      bottom.plot(steps[r.skipped], r.scale[r.skipped], "x", color="C3", ms=5,
-                  label=f"skipped steps ({int(r.skipped.sum())})")
+      bottom.plot(steps, r.scale, **style, label=f"{r.name}: loss scale")
+      bottom.plot(steps[r.skipped], r.scale[r.skipped], "x", color="C3", ms=6, zorder=5,
+                  label=f"skipped steps: {int(r.skipped.sum())}")
   top.set_yscale("log")  # float16 without scaling can diverge by orders of magnitude
-  top.yaxis.set_major_formatter(plt.LogFormatter())
-  top.yaxis.set_minor_formatter(plt.LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
-  top.set_ylabel("loss")
-  top.set_title(title, fontsize=9)
-  top.legend(fontsize=7)
-  top.grid(alpha=0.3)
-  bottom.set_xlabel("step")
+  # Plain numbers on the log axis, as many per decade as fit, so that every curve's level can be read off.
+  low, high = top.get_ylim()
+  decades = math.log10(high / low)
+  mantissas = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8) if decades < 0.8 else (1, 2, 5) if decades < 2.5 else (1,)
+  nice = [k * 10.0**e for e in range(-6, 6) for k in mantissas]
+  top.set_yticks([t for t in nice if low <= t <= high], minor=False)
+  top.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+  top.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+  top.set_ylabel("loss (log scale)")
+  top.set_title(title, fontsize=10)
+  legend = dict(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+  top.legend(handles=handles, title=f"lines: training loss\n(mean of {smooth} steps)\nmarkers: held-out loss",
+             title_fontsize=8, alignment="left", **legend)
+  top.grid(alpha=0.3, which="both")
+  bottom.set_xlabel("training step")
   bottom.set_ylabel("loss scale")
+  bottom.set_yscale("log", base=2)
   bottom.grid(alpha=0.3)
   if bottom.lines:
-    bottom.legend(fontsize=7)
+    bottom.legend(**legend)
   fig.tight_layout()
-  fig.savefig(path, dpi=90)
+  fig.savefig(path, dpi=100)
   plt.close(fig)
   print(f"wrote {path}")
 

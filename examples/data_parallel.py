@@ -3,18 +3,24 @@
 A small MLP learns a random teacher network. Parameters are replicated over a one-axis mesh, each
 batch is split across all devices, and `jax.jit` inserts the gradient all-reduce; the loss scale
 and the skip decision are therefore the same on every device and every process without any extra
-code. Commands (see docs/distributed.md):
+code.
 
-  # 8 simulated CPU devices in one process
+Commands (see docs/distributed.md):
+
+  # 8 simulated CPU devices in one process (no accelerator needed)
   python examples/data_parallel.py --simulate-devices 8
 
-  # two processes on this machine, 4 simulated CPU devices each (run both, e.g. in two shells)
+  # two processes on this machine, 4 simulated CPU devices each; run both at once (e.g. in two
+  # shells), process 0 hosts the coordinator
   python examples/data_parallel.py --simulate-devices 4 --coordinator-address 127.0.0.1:12355 --num-processes 2 --process-id 0
   python examples/data_parallel.py --simulate-devices 4 --coordinator-address 127.0.0.1:12355 --num-processes 2 --process-id 1
 
-  # a cluster: one process per host; the flags, JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
-  # JAX_PROCESS_ID, or (on SLURM, Open MPI, TPU pods) nothing at all
-  python examples/data_parallel.py --distributed
+  # a cluster: one process per host, on its accelerators; the address of process 0's host and any
+  # free port, by flags or by environment variables
+  JAX_COORDINATOR_ADDRESS=10.0.0.1:12355 JAX_NUM_PROCESSES=4 JAX_PROCESS_ID=$RANK python examples/data_parallel.py
+
+  # SLURM, Open MPI, TPU pods: jax.distributed.initialize() finds all of it on its own
+  srun --nodes=4 --ntasks-per-node=1 python examples/data_parallel.py --distributed
 """
 
 from __future__ import annotations
@@ -35,21 +41,43 @@ import jaxscale
 IN, HIDDEN, OUT = 32, 256, 8
 
 
-def parse_args() -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=300)
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """``--help`` keeps the commands' line breaks and shows every flag's default."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  description, commands = __doc__.split("\nCommands", 1)
+  parser = argparse.ArgumentParser(
+      description=description, epilog="commands" + commands, formatter_class=_HelpFormatter
+  )
+  parser.add_argument("--steps", type=int, default=300, help="training steps")
   parser.add_argument("--batch-size", type=int, default=256, help="global batch, over all devices")
-  parser.add_argument("--learning-rate", type=float, default=3e-3)
-  parser.add_argument("--init-scale", type=float, default=2.0**24, help="high, to show the back-off")
+  parser.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW's learning rate")
+  parser.add_argument(
+      "--init-scale", type=float, default=2.0**24,
+      help="jaxscale's first loss scale: high, so that the first steps overflow and show the back-off",
+  )
   parser.add_argument(
       "--simulate-devices", type=int, default=None, metavar="N",
       help="run on N simulated CPU devices (per process) instead of the accelerators",
   )
-  parser.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize()")
-  parser.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
-  parser.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
-  parser.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"))
-  return parser.parse_args()
+  parser.add_argument(
+      "--distributed", action="store_true",
+      help="call jax.distributed.initialize() with what the environment gives (SLURM, Open MPI, TPU pods)",
+  )
+  parser.add_argument(
+      "--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"), metavar="HOST:PORT",
+      help="process 0's host and a free port, the same for every process (env JAX_COORDINATOR_ADDRESS)",
+  )
+  parser.add_argument(
+      "--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"),
+      help="how many processes join (env JAX_NUM_PROCESSES)",
+  )
+  parser.add_argument(
+      "--process-id", type=int, default=_env_int("JAX_PROCESS_ID"),
+      help="this process's index, 0 to --num-processes - 1 (env JAX_PROCESS_ID)",
+  )
+  return parser.parse_args(argv)
 
 
 def _env_int(name: str) -> int | None:
@@ -116,8 +144,8 @@ def read(x: jax.Array) -> float:
   return np.asarray(x.addressable_data(0)).item()
 
 
-def main() -> None:
-  args = parse_args()
+def main(argv=None) -> None:
+  args = parse_args(argv)
   start_jax(args)
   mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
   replicated = NamedSharding(mesh, P())

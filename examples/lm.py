@@ -5,9 +5,15 @@ compute (float32 parameters) without loss scaling; float16 with jaxscale. Then
 the evidence: how many gradient elements are zero or subnormal in float16
 with and without jaxscale's scale, as a table and a histogram of log2|g|.
 
-    python examples/lm.py                       # the default: a few minutes on 2 CPU cores
-    python examples/lm.py --loss-weight 1e-3    # small gradients: float16 without scaling loses
-    python examples/lm.py --depth 6 --init-std 0.002   # deeper, small init: the same
+By default the loss is weighted by 1e-3 (Adam's eps too, so float32 trains the
+same up to rounding): every gradient is 1000 times smaller, the logit gradients
+as small as those of a mean loss over two million tokens (a real language
+model's batch) rather than this batch's two thousand. Most activation gradients
+then fall below float16's smallest subnormal (2^-24) and flush to zero: float16
+alone loses to float32, and jaxscale's scale recovers it.
+
+    python examples/lm.py                             # float16 loses, jaxscale recovers: 2-3 minutes on 2 CPU cores
+    python examples/lm.py --loss-weight 1 --steps 600  # the plain loss: float16 alone is close to float32 at this size
     python examples/lm.py --steps 5000 --width 512 --depth 8 --seq-len 256 --batch 64  # a GPU
 
 The NNX recipe is in `make_train_step`; see also `jaxscale.flax`.
@@ -19,7 +25,7 @@ import argparse
 import os
 import sys
 import sysconfig
-import time
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -199,41 +205,68 @@ def gradient_evidence(args, model16, scale, windows):
   return {title: {label: grads[key] for label, grads in variants.items()} for key, title in groups.items()}
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  _common.add_flags(parser, steps=600, batch=32, lr=3e-3, out="lm.png")
-  parser.add_argument("--width", type=int, default=128)
-  parser.add_argument("--depth", type=int, default=2)
-  parser.add_argument("--heads", type=int, default=4)
-  parser.add_argument("--seq-len", type=int, default=64)
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
+  _common.add_flags(parser, steps=400, batch=32, lr=3e-3, loss_weight=1e-3, out="lm.png")
+  parser.add_argument("--width", type=int, default=128, help="model width (embedding size)")
+  parser.add_argument("--depth", type=int, default=2, help="Transformer blocks")
+  parser.add_argument("--heads", type=int, default=4, help="attention heads (must divide --width)")
+  parser.add_argument("--seq-len", type=int, default=64, help="bytes per training window")
   parser.add_argument("--init-std", type=float, default=0.02, help="std of every weight's normal init")
   parser.add_argument("--data-mb", type=float, default=4.0, help="megabytes of stdlib source to read")
   parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
   parser.add_argument("--grad-hist", default="lm_grads.png", help="where to write the gradient histogram")
-  args = parser.parse_args(argv)
+  return parser.parse_args(argv)
 
+
+def describe_regime(args: argparse.Namespace) -> str:
+  """What makes float16 lose (or not) with these flags, for the top of the output."""
+  if args.loss_weight == 1:
+    return ("Loss weight 1: the plain loss. At this size float16 alone trains nearly as well as float32 (Adam "
+            "rescales the small gradients that survive); --loss-weight 1e-3, the default, shows where it does not.")
+  tokens = args.batch * args.seq_len
+  return (f"Loss weight {args.loss_weight:g}: the loss (and Adam's eps) is multiplied by {args.loss_weight:g} before "
+          f"differentiating. float32 trains the same up to rounding, but every gradient is {1 / args.loss_weight:g} "
+          f"times smaller: the logit gradients of a mean over {tokens:,} tokens become as small as those of a mean "
+          f"over {tokens / args.loss_weight:,.0f}. That is the regime of real models' small gradients (auxiliary "
+          "loss terms, large batches, long sequences, small initializations), where float16 flushes most "
+          "activation gradients to zero (below 2^-24) unless the loss is scaled.")
+
+
+def load_data(args: argparse.Namespace) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The training bytes, and the held-out windows every evaluation uses (the same whatever the seed)."""
   data = load_stdlib_bytes(int(args.data_mb * 2**20))
   split = int(0.9 * len(data))
   train_data, heldout = data[:split], data[split:]
-  eval_rng = np.random.default_rng(10_000)  # the same held-out windows whatever the seed
+  eval_rng = np.random.default_rng(10_000)
   eval_windows = [sample_windows(heldout, eval_rng, args.batch, args.seq_len) for _ in range(args.eval_batches)]
   print(f"{len(data) / 2**20:.1f} MiB of {sysconfig.get_paths()['stdlib']}/**.py: "
         f"{len(train_data):,} training bytes, {len(heldout):,} held out; {jax.devices()[0].platform}")
+  return train_data, eval_windows
 
+
+def make_optimizer(args: argparse.Namespace, config: _common.RunConfig) -> optax.GradientTransformation:
+  """Adam with warmup and cosine decay, inside jaxscale's wrapper (disabled for the unscaled runs).
+
+  The runs are compared at the end, where a decayed learning rate makes the
+  final loss depend less on the path that led there. Skipped steps do not
+  advance the schedule.
+  """
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10
+  )
+  return jaxscale.dynamic_loss_scaling(
+      optax.adam(schedule, eps=1e-8 * args.loss_weight), enabled=config.scaling, init_scale=args.init_scale,
+      growth_interval=args.growth_interval,
+  )
+
+
+def train_runs(args: argparse.Namespace, train_data: np.ndarray, eval_windows: list[np.ndarray]):
+  """The selected runs of `_common.RUNS`, one after the other; returns their results and the last model."""
   results = []
   for config in _common.selected_runs(args):
     model = build(args, config.dtype, args.seed)
-    # Warmup and cosine decay: the runs are compared at the end, where a decayed
-    # learning rate makes the final loss depend less on the path that led there.
-    # Skipped steps do not advance the schedule.
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10
-    )
-    tx = jaxscale.dynamic_loss_scaling(
-        optax.adam(schedule, eps=1e-8 * args.loss_weight), enabled=config.scaling, init_scale=args.init_scale,
-        growth_interval=args.growth_interval,
-    )
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_optimizer(args, config), wrt=nnx.Param)
     traces = _common.TraceCounter()
     train_step = make_train_step(args.loss_weight, traces)
     rng = np.random.default_rng(args.seed)
@@ -241,20 +274,31 @@ def main(argv=None):
     evaluate = lambda: {"loss": float(np.mean([eval_loss(model, w) for w in eval_windows]))}
     results.append(_common.train(config, lambda w: train_step(model, optimizer, w), batches, evaluate, args))
     traces.assert_once()
+  return results, model
 
+
+def main(argv=None):
+  args = parse_args(argv)
+  train_data, eval_windows = load_data(args)
+  print(textwrap.fill(describe_regime(args), 100) + "\n")
+
+  results, model = train_runs(args, train_data, eval_windows)
+
+  setting = f"loss weight {args.loss_weight:g}, depth {args.depth}, init std {args.init_std:g}"
+  if not args.no_plot:
+    _common.plot_runs(results, args.out, title=f"byte-level Transformer LM on the Python stdlib, "
+                      f"depth {args.depth}, init std {args.init_std:g}\n{_common.regime(args.loss_weight)}")
+  if results[-1].name == _common.RUNS[-1].name:
+    panels = gradient_evidence(args, model, results[-1].final_scale, eval_windows[0])
+    if not args.no_plot:
+      _common.plot_grad_hist(panels, args.grad_hist, title=f"gradients at the end of the float16 + jaxscale run "
+                             f"({setting})")
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   print(f"\nbyte-level Transformer, {n_params:,} parameters, width {args.width}, depth {args.depth}, "
         f"seq {args.seq_len}, batch {args.batch}, {args.steps} steps, loss weight {args.loss_weight:g}, "
         f"init std {args.init_std:g}\n")
   print(_common.results_table(results))
-  if not args.no_plot:
-    _common.plot_runs(results, args.out, title=f"byte-level Transformer LM on the Python stdlib "
-                      f"(loss weight {args.loss_weight:g}, depth {args.depth}, init std {args.init_std:g})")
-  if results[-1].name == _common.RUNS[-1].name:
-    panels = gradient_evidence(args, model, results[-1].final_scale, eval_windows[0])
-    if not args.no_plot:
-      _common.plot_grad_hist(panels, args.grad_hist, title="gradients at the end of the float16 + jaxscale run "
-                             f"(loss weight {args.loss_weight:g}, depth {args.depth}, init std {args.init_std:g})")
+  print("\n" + textwrap.fill(_common.summary(results), 100))
   return results
 
 
