@@ -1,0 +1,135 @@
+"""Behaviour that mutation testing found untested (tests/MUTATION.md): each test here kills mutants
+of `_scaler.py` or `_optax.py` that the rest of the suite let live, by asserting what the code must do.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxscale
+
+INT32_MAX = 2**31 - 1
+PARAMS = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array([-0.0, 0.25])}
+GRADS = {"w": jnp.array([0.5, 0.25, -1.0]), "b": jnp.array([0.0, 2.0])}
+
+
+def bits(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def poisoned(tree):
+  return {**tree, "w": tree["w"].at[1].set(jnp.nan)}
+
+
+JIT = {"eager": lambda f: f, "jit": jax.jit}
+
+
+@pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
+def test_a_flag_passed_in_is_trusted_and_the_gradients_are_not_unscaled_again(wrap):
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**10)
+  state = tx.init(PARAMS)
+  update = wrap(lambda g, s, finite: tx.update(g, s, PARAMS, finite=finite))
+  # Already unscaled: taken as they are, not divided by 2**10 a second time.
+  updates, after = update(GRADS, state, jnp.array(True))
+  np.testing.assert_array_equal(updates["w"], -GRADS["w"])
+  assert not bool(after.scaler.last_skipped)
+  # The flag decides, even where the gradients themselves are finite ...
+  updates, after = update(GRADS, state, jnp.array(False))
+  assert bool(after.scaler.last_skipped) and float(after.scaler.scale) == 2.0**9
+  assert all(not u.any() for u in jax.tree.leaves(updates))
+  # ... and a True flag is not overruled by a re-check of huge (but finite) unscaled gradients.
+  huge = jax.tree.map(lambda g: g * 2.0**120, GRADS)
+  updates, after = update(huge, state, jnp.array(True))
+  np.testing.assert_array_equal(updates["w"], -huge["w"])
+  assert int(after.scaler.growth_tracker) == 1
+
+
+@pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
+def test_a_stalled_scaler_skips_every_later_step_in_the_wrapper(wrap):
+  tx = jaxscale.dynamic_loss_scaling(optax.adam(0.1), init_scale=2.0, min_scale=1.0, on_stall="raise")
+  update = wrap(lambda g, s: tx.update(g, s, PARAMS))
+  state = tx.init(PARAMS)
+  _, state = update(poisoned(GRADS), state)  # 2 -> 1
+  _, state = update(poisoned(GRADS), state)  # at the floor: stalled
+  assert bool(state.scaler.stalled)
+  updates, after = update(GRADS, state)  # finite, but the run has stalled
+  assert all(not u.any() and np.signbit(u).all() for u in jax.tree.leaves(updates))
+  assert bits(after.inner_state) == bits(state.inner_state)
+  assert bool(after.scaler.last_skipped) and int(after.scaler.skipped_steps) == 3
+  with pytest.raises(FloatingPointError):
+    jaxscale.raise_if_stalled(after.scaler)
+
+
+@pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["f32", "f16", "bf16"])
+def test_skipped_updates_are_negative_zero_so_negative_zero_parameters_keep_their_sign(wrap, dtype):
+  params = jax.tree.map(lambda p: p.astype(dtype), PARAMS)
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  state = tx.init(params)
+  grads = jax.tree.map(lambda g: g.astype(dtype), poisoned(GRADS))
+  updates, _ = wrap(lambda g, s: tx.update(g, s, params))(grads, state)
+  for u in jax.tree.leaves(updates):
+    assert u.dtype == dtype and not u.any() and np.signbit(np.asarray(u, np.float32)).all()
+  new_params = optax.apply_updates(params, updates)
+  assert bits(new_params) == bits(params)  # -0.0 + +0.0 would be +0.0
+  assert np.signbit(np.asarray(new_params["b"][0], np.float32))
+
+
+def test_configure_keeps_a_disabled_scale_at_one():
+  disabled = jaxscale.init(enabled=False)
+  assert float(jaxscale.configure(disabled, scale=8.0).scale) == 1.0
+  assert float(jax.jit(lambda s: jaxscale.configure(s, scale=jnp.float32(8.0)))(disabled).scale) == 1.0
+  assert float(jaxscale.configure(jaxscale.init(), scale=8.0).scale) == 8.0
+
+
+@pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
+def test_counters_saturate_at_int32_max(wrap):
+  update = wrap(jaxscale.update)
+  state = jaxscale.init()._replace(skipped_steps=jnp.array(INT32_MAX - 1, jnp.int32))
+  for _ in range(3):
+    state = update(state, jnp.array(False))
+    assert int(state.skipped_steps) == INT32_MAX
+  # A static scale never grows, so its growth tracker keeps counting up to the end of int32.
+  state = jaxscale.configure(jaxscale.init(dynamic=False), growth_tracker=INT32_MAX - 1)
+  for _ in range(3):
+    state = update(state, jnp.array(True))
+    assert int(state.growth_tracker) == INT32_MAX
+
+
+def twice_and_once():
+  """An inner transformation whose new state holds one array twice (and an untouched leaf)."""
+
+  def init(params):
+    return (jnp.zeros(3), jnp.ones(3), jnp.full(3, 7.0))
+
+  def update(updates, state, params=None):
+    new = state[0] + state[1] + updates["w"]
+    return updates, (new, new, state[2])
+
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
+def test_a_state_leaf_output_twice_keeps_each_old_value_on_a_skipped_step(wrap):
+  tx = jaxscale.dynamic_loss_scaling(twice_and_once(), init_scale=4.0)
+  update = wrap(lambda g, s: tx.update(g, s))
+  state = tx.init(PARAMS)
+  _, skipped = update(poisoned(GRADS), state)
+  assert bits(skipped.inner_state) == bits(state.inner_state)  # (0, 1, 7), not (0, 0, 7) or (1, 1, 7)
+  _, taken = update(jax.tree.map(lambda g: g * 4.0, GRADS), state)
+  want = 1.0 + GRADS["w"]
+  for leaf, expected in zip(taken.inner_state, (want, want, jnp.full(3, 7.0))):
+    np.testing.assert_array_equal(leaf, expected)
+
+
+def test_the_skip_decision_does_not_depend_on_which_leaf_holds_the_nan():
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  update = jax.jit(lambda g, s: tx.update(g, s, PARAMS))
+  state = tx.init(PARAMS)
+  for leaf in PARAMS:
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+      grads = {**GRADS, leaf: GRADS[leaf].at[0].set(bad)}
+      updates, after = update(grads, state)
+      assert bool(after.scaler.last_skipped), (leaf, bad)
