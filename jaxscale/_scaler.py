@@ -418,7 +418,7 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
   # #14. `isfinite(x).all()` writes a bool array of every leaf; `max` drops
   # NaNs on CPU.)
   total = sum(
-      (jnp.sum(g * 0).astype(jnp.float32) for g in jax.tree.leaves(tree) if _is_floating(g)),
+      (_nan_unless_finite(jnp.asarray(g)) for g in jax.tree.leaves(tree) if _is_floating(g)),
       start=jnp.zeros((), jnp.float32),
   )
   # `total` is 0 or NaN. Left as is, XLA inlines this chain of per-leaf
@@ -432,11 +432,36 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
   return finite
 
 
+def _nan_unless_finite(g: jax.Array) -> jax.Array:
+  """A float32 scalar: 0 if every element of ``g`` is finite, else NaN.
+
+  ``g`` is a JAX array (a NumPy one would compute ``inf * 0`` eagerly, with a
+  warning). A complex leaf is finite iff both parts are: ``inf * 0`` is NaN in
+  either part, and both parts are summed rather than cast (the cast would
+  drop the imaginary part, with a warning).
+  """
+  total = jnp.sum(g * 0)
+  if jnp.iscomplexobj(total):
+    total = jnp.real(total) + jnp.imag(total)
+  return total.astype(jnp.float32)
+
+
 def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   """Returns the next state after a step whose gradients were ``finite``.
 
   Branch-free, so it jits once whatever the flag, the scale and the options.
   A disabled state is returned unchanged.
+
+  Args:
+    state: the scaler state.
+    finite: a boolean scalar (a Python bool or a ``bool`` array of shape
+      ``()``), such as the flag of :func:`unscale_and_check`. Other dtypes are
+      refused rather than converted: a float flag would make NaN count as
+      True.
+
+  Raises:
+    TypeError: if ``finite`` is not boolean.
+    ValueError: if ``finite`` is not a scalar (checked at trace time).
 
   Examples:
     >>> import jaxscale
@@ -444,7 +469,7 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
     >>> float(state.scale), int(state.skipped_steps)
     (512.0, 1)
   """
-  finite = jnp.asarray(finite, jnp.bool_) & ~state.stalled
+  finite = _as_flag(finite) & ~state.stalled
   dynamic = state.dynamic
   hysteresis_left = jnp.where(finite, state.hysteresis_tracker, jnp.maximum(state.hysteresis_tracker - 1, 0))
   tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
@@ -468,19 +493,46 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   return jax.tree.map(lambda n, o: jnp.where(state.enabled, n, o), new, state)
 
 
+def _as_flag(finite: Any) -> jax.Array:
+  """``finite`` as a bool array of shape (); TypeError/ValueError otherwise."""
+  dtype = getattr(finite, "dtype", None)
+  if dtype is None and isinstance(finite, (bool, np.bool_)):
+    dtype = np.dtype(bool)
+  if dtype != np.dtype(bool):
+    what = f"an array of dtype {dtype}" if dtype is not None else f"{finite!r} of type {type(finite).__name__}"
+    raise TypeError(
+        f"`finite` must be a bool scalar (such as the flag of `unscale_and_check`), got {what}; "
+        "compare explicitly, e.g. `jnp.isfinite(x).all()`."
+    )
+  if jnp.shape(finite) != ():
+    raise ValueError(
+        f"`finite` must be a bool scalar of shape (), got shape {jnp.shape(finite)}; "
+        "reduce it first, e.g. with `.all()`."
+    )
+  return jnp.asarray(finite)
+
+
 def raise_if_stalled(state: ScalerState) -> None:
   """Raises FloatingPointError if the scaler stalled (see ``on_stall``).
 
   This reads one bool from the device, so it synchronises with it: call it
-  where you already log, not on every step.
+  where you already log, not on every step. A batch of scalers (after
+  ``jax.vmap``) raises if any of them stalled, naming which.
   """
-  if bool(jax.device_get(state.stalled)):
-    raise FloatingPointError(
-        "jaxscale: a step overflowed while the loss scale was already at "
-        f"`min_scale` ({float(state.min_scale)}); every step since has been "
-        "skipped and the parameters hold their last finite values. Lower "
-        "`min_scale`, or look for the source of the inf/NaN in the model."
-    )
+  stalled = np.asarray(jax.device_get(state.stalled))
+  if not stalled.any():
+    return
+  floor = np.asarray(jax.device_get(state.min_scale))
+  which = ""
+  if stalled.shape != ():
+    indices = np.flatnonzero(stalled) if stalled.ndim == 1 else np.argwhere(stalled)
+    which = f" (scalers {indices.tolist()} of a batch of shape {stalled.shape})"
+    floor = np.unique(np.broadcast_to(floor, stalled.shape)[stalled])
+  raise FloatingPointError(
+      f"jaxscale: a step overflowed while the loss scale was already at `min_scale` "
+      f"({_show(floor)}){which}; every step since has been skipped and the parameters hold "
+      "their last finite values. Lower `min_scale`, or look for the source of the inf/NaN in the model."
+  )
 
 
 def _wide(dtype) -> Any:

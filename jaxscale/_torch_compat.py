@@ -27,12 +27,17 @@ def state_dict(state: _scaler.ScalerState) -> dict[str, float | int]:
   (``min_scale``, ``hysteresis``, ...) are not included: checkpoint the
   :class:`ScalerState` itself (Orbax, Flax serialization) to keep them.
 
+  Raises:
+    ValueError: if ``state`` is a batch of scalers (its leaves have a leading
+      axis, as after ``jax.vmap``): torch's dict holds one scaler.
+
   Examples:
     >>> import jaxscale
     >>> jaxscale.state_dict(jaxscale.init())
     {'scale': 65536.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 2000, '_growth_tracker': 0}
   """
   state = jax.device_get(state)
+  _require_one_scaler(state, "state_dict")
   if not state.enabled:
     return {}
   return {key: getattr(state, field).item() for key, field in _TORCH_KEYS.items()}
@@ -47,10 +52,11 @@ def load_state_dict(state: _scaler.ScalerState, d: Mapping[str, Any]) -> _scaler
   does nothing.
 
   Raises:
-    ValueError: if ``d`` is empty (saved from a disabled scaler), lacks one of
+    ValueError: if ``state`` is a batch of scalers (after ``jax.vmap``), if ``d`` is empty (saved from a disabled scaler), lacks one of
       torch's keys, has a key torch does not write, or holds an
       out-of-range value.
   """
+  _require_one_scaler(state, "load_state_dict")
   if not bool(jax.device_get(state.enabled)):
     return state
   if not d:
@@ -66,6 +72,16 @@ def load_state_dict(state: _scaler.ScalerState, d: Mapping[str, Any]) -> _scaler
     )
   values = {field: _to_python(d[key]) for key, field in _TORCH_KEYS.items()}
   return _scaler.configure(state, **values)
+
+
+def _require_one_scaler(state: _scaler.ScalerState, name: str) -> None:
+  shape = jax.numpy.shape(state.scale)
+  if shape != ():
+    raise ValueError(
+        f"`{name}` takes one scaler, but this state holds a batch of them (its leaves have shape "
+        f"{shape}, as after `jax.vmap`); pick one first, e.g. "
+        f"`{name}(jax.tree.map(lambda x: x[i], state))`."
+    )
 
 
 def _to_python(value: Any) -> float | int:
