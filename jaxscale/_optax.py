@@ -146,6 +146,7 @@ def _update_or_keep(finite, update, updates, inner_state, params):
     # reuse, and the jaxpr's jitted sub-calls would round differently.
     return _select_outputs(finite, update, updates, inner_state, params)
   closed, out_shape = jax.make_jaxpr(update, return_shape=True)(updates, inner_state, params)
+  _check_state_structure(out_shape[1], inner_state)
   try:
     return _select_where_produced(finite, closed, out_shape, (updates, inner_state, params))
   except Exception as error:  # noqa: BLE001 - any failure of the evaluator, never of `update`
@@ -154,6 +155,16 @@ def _update_or_keep(finite, update, updates, inner_state, params):
 
 
 _log = logging.getLogger(__name__)
+
+
+def _check_state_structure(new_state, inner_state):
+  if jax.tree.structure(new_state) != jax.tree.structure(inner_state):
+    raise ValueError(
+        "`dynamic_loss_scaling` keeps the inner optimizer's state on a skipped step, so the "
+        "inner update must return a state of the structure it was given; it was given "
+        f"{jax.tree.structure(inner_state)} and returned {jax.tree.structure(new_state)}. "
+        "Build the state's final structure in the optimizer's `init`."
+    )
 
 
 @jax.custom_jvp
@@ -187,6 +198,7 @@ def _select_outputs(finite, update, updates, inner_state, params):
   """The plain select on ``update``'s outputs: the eager path and the fallback."""
   zeroed = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)) if _scaler._is_floating(u) else u, updates)
   new_updates, new_state = update(*_gate_tree(finite, (zeroed, inner_state, params)))
+  _check_state_structure(new_state, inner_state)
   return (
       jax.tree.map(lambda u: _mask(finite, u, jnp.result_type(u)), new_updates),
       jax.tree.map(lambda n, o: _keep_if_skipped(finite, n, o, jnp.result_type(n)), new_state, inner_state),

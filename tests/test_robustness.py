@@ -75,6 +75,15 @@ def test_inner_returning_python_scalars(jit):
   assert int(new_state.inner_state["n"]) == 0
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_inner_changing_its_state_structure_is_a_clear_error(jit):
+  growing = optax.GradientTransformation(lambda p: (), lambda u, s, p=None: (u, (jnp.zeros(()),)))
+  tx = jaxscale.dynamic_loss_scaling(growing)
+  update = jax.jit(tx.update) if jit else tx.update
+  with pytest.raises(ValueError, match="state of the structure it was given"):
+    update(GRADS, tx.init(PARAMS), PARAMS)
+
+
 # --- the fast path's fallback ---------------------------------------------------------------------
 
 FALLBACK_INNERS = {
