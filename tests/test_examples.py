@@ -5,6 +5,8 @@ import math
 import os
 import sys
 
+import numpy as np
+
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 COMMON_FLAGS = ["--steps", "6", "--eval-every", "3", "--no-progress"]
@@ -24,6 +26,16 @@ def check_results(results):
     assert len(r.loss) == 6 and r.eval_steps == [3, 6] and len(r.eval_metrics) == 2
     assert math.isfinite(r.eval_metrics[-1]["loss"])
   assert results[0].final_scale == results[1].final_scale == 1.0
+  # Same model, seed and first batch: the first losses agree to float16's precision.
+  np.testing.assert_allclose([r.loss[0] for r in results[1:]], results[0].loss[0], rtol=1e-2)
+  # The scaler's record is consistent: a skipped step halves the next step's scale, a taken one
+  # never lowers it.
+  scaled = results[-1]
+  for i in range(len(scaled.loss) - 1):
+    if scaled.skipped[i]:
+      assert scaled.scale[i + 1] == scaled.scale[i] / 2, (i, scaled.scale)
+    else:
+      assert scaled.scale[i + 1] >= scaled.scale[i], (i, scaled.scale)
 
 
 def test_lm(tmp_path):
@@ -37,5 +49,4 @@ def test_lm(tmp_path):
 def test_digits(tmp_path):
   results = run_example("digits", ["--width", "4", "--batch", "16", "--out", str(tmp_path / "digits.png")])
   check_results(results)
-  assert 0 <= results[-1].eval_metrics[-1]["accuracy"] <= 1
   assert (tmp_path / "digits.png").stat().st_size > 0
