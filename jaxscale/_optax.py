@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.core import Tracer
 
 from jaxscale import _scaler
 
@@ -141,7 +142,7 @@ def _update_or_keep(finite, update, updates, inner_state, params):
   plain path also runs ``update`` on zero gradients when skipping, for the
   values ``update`` closes over (a traced learning rate), which it cannot gate.
   """
-  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((updates, inner_state, finite))):
+  if not any(isinstance(x, Tracer) for x in jax.tree.leaves((updates, inner_state, finite))):
     # Op by op (eagerly, or under `disable_jit`) there are no buffers to
     # reuse, and the jaxpr's jitted sub-calls would round differently.
     return _select_outputs(finite, update, updates, inner_state, params)
@@ -303,8 +304,7 @@ def _is_scaler(x) -> bool:
   and serialized state dicts hold the scaler as such a mapping."""
   if isinstance(x, _scaler.ScalerState):
     return True
-  keys = getattr(x, "keys", None)
-  return isinstance(x, Mapping) and callable(keys) and set(keys()) == _FIELDS
+  return isinstance(x, Mapping) and set(x.keys()) == _FIELDS
 
 
 def _unwrap_variable(leaf):

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.core import Tracer
 
 StallPolicy = Literal["skip", "raise"]
 
@@ -186,7 +187,7 @@ def configure(state: ScalerState, **options: Any) -> ScalerState:
         f"`configure` cannot change {unknown}; it takes any of {sorted(_OPTION_DTYPES)}."
     )
   current = {k: getattr(state, k) for k in _OPTION_DTYPES if k not in options}
-  if not isinstance(state.enabled, jax.core.Tracer) and not np.asarray(state.enabled).all():
+  if not isinstance(state.enabled, Tracer) and not np.asarray(state.enabled).all():
     current.pop("scale", None)  # a disabled state's 1.0 bounds nothing
   stored = _validate(options, current, name_of_scale="scale")
   arrays = {k: jnp.array(v, _OPTION_DTYPES[k]) for k, v in stored.items()}
@@ -215,7 +216,7 @@ def _validate(given: dict[str, Any], current: dict[str, Any], *, name_of_scale: 
     return name_of_scale if name == "scale" else name
 
   stored = {name: _stored(shown(name), name, v, scalar=True) for name, v in given.items()}
-  values = {name: v for name, v in {**current, **stored}.items() if not isinstance(v, jax.core.Tracer)}
+  values = {name: v for name, v in {**current, **stored}.items() if not isinstance(v, Tracer)}
   values = {name: np.asarray(v) for name, v in values.items()}
 
   def check(name, ok, requirement):
@@ -260,25 +261,27 @@ def _show(x: np.ndarray) -> Any:
 def _stored(shown: str, name: str, value: Any, *, scalar: bool) -> Any:
   """``value`` converted to option ``name``'s storage dtype; TypeError/ValueError naming it."""
   dtype = np.dtype(_OPTION_DTYPES[name])
-  if isinstance(value, jax.core.Tracer):
-    kind = value.dtype.kind
-    array = value
-  else:
-    array = np.asarray(value) if not isinstance(value, (str, bytes)) else None
-    kind = array.dtype.kind if array is not None else "U"
-    if isinstance(value, int) and not isinstance(value, bool) and array.dtype.kind == "O":
-      kind = "i"  # a Python int too large for int64: out of range below
   wanted = "a bool" if dtype.kind == "b" else "a real number"
+  if isinstance(value, Tracer):
+    kind = value.dtype.kind
+  elif isinstance(value, int) and not isinstance(value, bool):
+    kind = "i"  # also a Python int too large for NumPy: out of range below
+  elif isinstance(value, (str, bytes)) or value is None:
+    kind = "U"
+  else:
+    kind = np.asarray(value).dtype.kind
   if (dtype.kind == "b") != (kind == "b") or kind not in "biuf":
     raise TypeError(f"`{shown}` must be {wanted}, got {value!r} of type {type(value).__name__}.")
-  if isinstance(array, jax.core.Tracer):
-    return array
+  if isinstance(value, Tracer):
+    return value
+  if isinstance(value, int) and not _INT32.min <= value <= _INT32.max:
+    array = np.asarray(math.inf if value > 0 else -math.inf)  # out of range, and may not fit NumPy
+  else:
+    array = np.asarray(value)
   if scalar and array.shape != ():
     raise ValueError(f"`{shown}` must be a scalar, got an array of shape {array.shape}.")
   if dtype.kind == "b":
     return array.astype(dtype)
-  if array.dtype.kind == "O":  # a Python int beyond int64
-    array = np.asarray(math.copysign(math.inf, value), np.float64)
   if dtype.kind == "f":
     with np.errstate(over="ignore", under="ignore"):
       return array.astype(np.float64).astype(dtype)
