@@ -13,6 +13,7 @@ import pathlib
 import tomllib
 
 import nox
+from packaging.version import Version
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
@@ -35,7 +36,17 @@ def tests_newest(session):
 
 @nox.session(name="tests-oldest")
 def tests_oldest(session):
-  test_extra = PYPROJECT["project"]["optional-dependencies"]["test"]
+  project = PYPROJECT["project"]
+  bounds = {
+      _name(dep): dep.split(">=")[1]
+      for dep in project["dependencies"] + project["optional-dependencies"]["flax"]
+      if ">=" in dep
+  }
+  for pin in OLDEST:
+    name, version = pin.split("==")
+    if name in bounds and Version(bounds[name]) != Version(version):
+      session.error(f"noxfile.py pins {pin} but pyproject.toml allows {name}>={bounds[name]}: keep them equal.")
+  test_extra = project["optional-dependencies"]["test"]
   pinned = {pin.split("==")[0] for pin in OLDEST}
   rest = [dep for dep in test_extra if _name(dep) not in pinned | {"torch"}]
   session.install(*OLDEST, *rest)
