@@ -133,3 +133,83 @@ def test_the_skip_decision_does_not_depend_on_which_leaf_holds_the_nan():
       grads = {**GRADS, leaf: GRADS[leaf].at[0].set(bad)}
       updates, after = update(grads, state)
       assert bool(after.scaler.last_skipped), (leaf, bad)
+
+
+# Each error, word for word: a sentence that names the option, the value received and what would
+# work. (Matching a fragment, as the other tests do, lets a mangled message through.)
+INIT_ERRORS = [
+    (dict(growth_factor=1.0), ValueError, "`growth_factor` must be finite and > 1 in float32, got 1.0."),
+    (dict(backoff_factor=1.0), ValueError, "`backoff_factor` must be in the open interval (0, 1) in float32, got 1.0."),
+    (dict(backoff_factor=1e-50), ValueError,
+     "`backoff_factor` must be in the open interval (0, 1) in float32, got 1e-50, which float32 stores as 0.0."),
+    (dict(growth_interval=0), ValueError, "`growth_interval` must be an integer >= 1, got 0."),
+    (dict(init_scale=1e39), ValueError,
+     "`init_scale` must be a normal float32: finite and at least 2**-126 (~1.18e-38), got 1e+39, which float32 stores as inf."),
+    (dict(min_scale=16.0, init_scale=4.0), ValueError,
+     "`min_scale` (16.0) must not exceed `init_scale` (4.0): a back-off would raise the scale; lower `min_scale` or raise the scale."),
+    (dict(init_scale=64.0, max_scale=4.0), ValueError,
+     "`init_scale` (64.0) must not exceed `max_scale` (4.0): a growth would lower the scale; raise `max_scale` or lower the scale."),
+    (dict(min_scale=8.0, max_scale=4.0, init_scale=4.0), ValueError,
+     "`min_scale` (8.0) must not exceed `max_scale` (4.0): no scale could satisfy both."),
+    (dict(hysteresis=0), ValueError, "`hysteresis` must be an integer >= 1, got 0."),
+    (dict(on_stall="x"), ValueError, "`on_stall` must be 'skip' or 'raise', got 'x'."),
+    (dict(dynamic="no"), TypeError, "`dynamic` must be a bool, got 'no' of type str."),
+    (dict(growth_interval=True), TypeError, "`growth_interval` must be a real number, got True of type bool."),
+    (dict(growth_interval=2**40), ValueError,
+     "`growth_interval` must be an integer that fits in int32 (-2147483648 to 2147483647), got 1099511627776."),
+    (dict(init_scale="a"), TypeError, "`init_scale` must be a real number, got 'a' of type str."),
+    (dict(enabled=1), TypeError, "`enabled` must be a Python bool, got 1."),
+    (dict(min_scale=1e-40), ValueError,
+     "`min_scale` must be 0 (no bound) or a normal float32: finite and at least 2**-126, got 1e-40, "
+     "which float32 stores as 9.99994610111476e-41."),
+    (dict(max_scale=0.0), ValueError, "`max_scale` must be at least 2**-126 in float32 (inf for no bound), got 0.0."),
+]
+
+
+@pytest.mark.parametrize("options, error, message", INIT_ERRORS, ids=[str(o) for o, _, _ in INIT_ERRORS])
+def test_init_errors_word_for_word(options, error, message):
+  for build in (jaxscale.init, lambda **o: jaxscale.dynamic_loss_scaling(optax.sgd(0.1), **o)):
+    with pytest.raises(error) as caught:
+      build(**options)
+    assert str(caught.value) == message
+
+
+def test_other_errors_word_for_word():
+  state = jaxscale.init()
+  takes = ("['backoff_factor', 'dynamic', 'growth_factor', 'growth_interval', 'growth_tracker', "
+           "'hysteresis', 'max_scale', 'min_scale', 'scale']")
+  stalled = jaxscale.init(init_scale=2.0, min_scale=1.0, on_stall="raise")
+  stalled = jaxscale.update(jaxscale.update(stalled, False), False)
+  cases = [
+      (lambda: jaxscale.configure(state, min_scale=2.0**20), ValueError,
+       "`min_scale` (1048576.0) must not exceed `scale` (65536.0): a back-off would raise the scale; "
+       "lower `min_scale` or raise the scale."),
+      (lambda: jaxscale.configure(state, enabled=False), ValueError,
+       f"`configure` cannot change ['enabled']; it takes any of {takes}."),
+      (lambda: jaxscale.load_state_dict(state, {}), ValueError,
+       "The state dict is empty: it was probably saved from a disabled scaler."),
+      (lambda: jaxscale.load_state_dict(state, {"scale": 1.0, "x": 1}), ValueError,
+       "Not a torch.amp.GradScaler state dict: missing keys ['_growth_tracker', 'backoff_factor', "
+       "'growth_factor', 'growth_interval'], unexpected keys ['x']; expected exactly ['_growth_tracker', "
+       "'backoff_factor', 'growth_factor', 'growth_interval', 'scale']."),
+      (lambda: jaxscale.raise_if_stalled(stalled), FloatingPointError,
+       "jaxscale: a step overflowed while the loss scale was already at `min_scale` (1.0); every step "
+       "since has been skipped and the parameters hold their last finite values. Lower `min_scale`, or "
+       "look for the source of the inf/NaN in the model."),
+      (lambda: jaxscale.scale(state, jnp.int32(1)), ValueError,
+       "`jaxscale.scale` needs a floating loss (or a pytree with at least one floating leaf), but got "
+       "leaves of dtypes ['int32']."),
+      (lambda: jaxscale.find_scaler({}), ValueError,
+       "`find_scaler` found no ScalerState in an object of type dict; it needs exactly one. Build the "
+       "optimizer with `jaxscale.dynamic_loss_scaling(inner)`, and pass its state (or a part of it "
+       "holding one scaler)."),
+      (lambda: jaxscale.update(state, "yes"), TypeError,
+       "`finite` must be a bool scalar (such as the flag of `unscale_and_check`), got 'yes' of type str; "
+       "compare explicitly, e.g. `jnp.isfinite(x).all()`."),
+      (lambda: jaxscale.update(state, jnp.array([True, False])), ValueError,
+       "`finite` must be a bool scalar of shape (), got shape (2,); reduce it first, e.g. with `.all()`."),
+  ]
+  for call, error, message in cases:
+    with pytest.raises(error) as caught:
+      call()
+    assert str(caught.value) == message
