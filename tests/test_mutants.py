@@ -163,6 +163,18 @@ INIT_ERRORS = [
      "`min_scale` must be 0 (no bound) or a normal float32: finite and at least 2**-126, got 1e-40, "
      "which float32 stores as 9.99994610111476e-41."),
     (dict(max_scale=0.0), ValueError, "`max_scale` must be at least 2**-126 in float32 (inf for no bound), got 0.0."),
+    (dict(growth_factor=np.ones(2)), ValueError, "`growth_factor` must be a scalar, got an array of shape (2,)."),
+    (dict(growth_interval=2.5), ValueError,
+     "`growth_interval` must be an integer that fits in int32 (-2147483648 to 2147483647), got 2.5."),
+    (dict(growth_interval=-2**40), ValueError,
+     "`growth_interval` must be an integer that fits in int32 (-2147483648 to 2147483647), got -1099511627776."),
+    (dict(min_scale=-1.0), ValueError,
+     "`min_scale` must be 0 (no bound) or a normal float32: finite and at least 2**-126, got -1.0."),
+    (dict(growth_factor=np.inf), ValueError, "`growth_factor` must be finite and > 1 in float32, got inf."),
+    (dict(init_scale=None), TypeError, "`init_scale` must be a real number, got None of type NoneType."),
+    (dict(dynamic=1.0), TypeError, "`dynamic` must be a bool, got 1.0 of type float."),
+    (dict(backoff_factor=0.99999999), ValueError,
+     "`backoff_factor` must be in the open interval (0, 1) in float32, got 0.99999999, which float32 stores as 1.0."),
 ]
 
 
@@ -206,6 +218,9 @@ def test_other_errors_word_for_word():
       (lambda: jaxscale.update(state, "yes"), TypeError,
        "`finite` must be a bool scalar (such as the flag of `unscale_and_check`), got 'yes' of type str; "
        "compare explicitly, e.g. `jnp.isfinite(x).all()`."),
+      (lambda: jaxscale.update(state, jnp.float32(1.0)), TypeError,
+       "`finite` must be a bool scalar (such as the flag of `unscale_and_check`), got an array of dtype "
+       "float32; compare explicitly, e.g. `jnp.isfinite(x).all()`."),
       (lambda: jaxscale.update(state, jnp.array([True, False])), ValueError,
        "`finite` must be a bool scalar of shape (), got shape (2,); reduce it first, e.g. with `.all()`."),
   ]
