@@ -228,3 +228,37 @@ def test_other_errors_word_for_word():
     with pytest.raises(error) as caught:
       call()
     assert str(caught.value) == message
+
+
+def test_find_scaler_counts_the_scalers_it_found():
+  with pytest.raises(ValueError) as caught:
+    jaxscale.find_scaler({"a": jaxscale.init(), "b": [jaxscale.init()]})
+  assert str(caught.value).startswith("`find_scaler` found 2 ScalerStates in an object of type dict;")
+
+
+def test_find_scaler_unwraps_nnx_variables_into_arrays():
+  from flax import nnx
+
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  options = dict(init_scale=2.0**9, growth_interval=7)
+  optimizer = nnx.Optimizer(model, jaxscale.dynamic_loss_scaling(optax.sgd(0.1), **options), wrt=nnx.Param)
+  want = jaxscale.init(**options)
+  for where in [optimizer.opt_state, nnx.state(optimizer)]:
+    found = jaxscale.find_scaler(where)
+    assert type(found) is jaxscale.ScalerState
+    for name, leaf, expected in zip(want._fields, found, want):
+      assert isinstance(leaf, jax.Array) and not isinstance(leaf, nnx.Variable), name
+      assert bits(leaf) == bits(expected), name
+  plain = jaxscale.init(**options)  # with flax.nnx imported, plain arrays pass through untouched
+  assert all(a is b for a, b in zip(jaxscale.find_scaler({"s": plain}), plain))
+
+
+def test_raise_if_stalled_names_the_stalled_scalers_of_a_2d_batch():
+  stall = jax.vmap(jax.vmap(jaxscale.update))
+  state = jax.vmap(jax.vmap(lambda _: jaxscale.init(init_scale=2.0, min_scale=1.0, on_stall="raise")))(jnp.zeros((2, 2)))
+  flags = jnp.array([[True, False], [True, True]])
+  state = stall(stall(state, flags), flags)
+  with pytest.raises(FloatingPointError) as caught:
+    jaxscale.raise_if_stalled(state)
+  assert "(scalers [[0, 1]] of a batch of shape (2, 2))" in str(caught.value)
+  assert "`min_scale` (1.0)" in str(caught.value) or "`min_scale` ([1.])" in str(caught.value)
