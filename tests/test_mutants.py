@@ -262,3 +262,28 @@ def test_raise_if_stalled_names_the_stalled_scalers_of_a_2d_batch():
     jaxscale.raise_if_stalled(state)
   assert "(scalers [[0, 1]] of a batch of shape (2, 2))" in str(caught.value)
   assert "`min_scale` (1.0)" in str(caught.value) or "`min_scale` ([1.])" in str(caught.value)
+
+
+@pytest.mark.parametrize("path", ["plain", "fallback"])
+def test_a_learning_rate_closed_over_gets_a_zero_derivative_through_a_skipped_step(path, monkeypatch):
+  # The plain select (the eager path, and the fallback when the jaxpr cannot be evaluated) runs the
+  # inner update on zeroed gradients when skipping: `lr * inf` would make d/dlr NaN, not 0.
+  from jaxscale import _optax
+
+  def meta_loss(lr, grads):
+    tx = jaxscale.dynamic_loss_scaling(optax.sgd(lr), init_scale=4.0)
+    updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
+    return sum(jnp.sum(p**2) for p in jax.tree.leaves(optax.apply_updates(PARAMS, updates)))
+
+  grad = jax.grad(meta_loss)
+  if path == "fallback":
+    def cannot(*args, **kwargs):
+      raise NotImplementedError("a primitive this evaluator does not know")
+
+    monkeypatch.setattr(_optax, "_eval_jaxpr", cannot)
+    grad = jax.jit(grad)
+  for bad in (jnp.inf, jnp.nan):
+    assert float(grad(jnp.float32(0.1), poisoned(GRADS) | {"b": GRADS["b"].at[0].set(bad)})) == 0.0
+  taken = float(grad(jnp.float32(0.1), jax.tree.map(lambda g: g * 4.0, GRADS)))
+  want = sum(-2 * float(jnp.sum((p - 0.1 * g) * g)) for p, g in zip(jax.tree.leaves(PARAMS), jax.tree.leaves(GRADS)))
+  np.testing.assert_allclose(taken, want, rtol=1e-5)
