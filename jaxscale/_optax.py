@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import collections
+import logging
 import sys
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.core
 import jax.numpy as jnp
 import optax
-from jax.extend import core as jex_core
+from jax.core import Tracer
 
 from jaxscale import _master, _scaler
 
@@ -53,6 +55,19 @@ def dynamic_loss_scaling(
   :func:`jaxscale.value_and_grad` or :func:`jaxscale.unscale_and_check`),
   pass the flag as ``tx.update(grads, state, params, finite=finite)``: the
   gradients are then taken as unscaled and are not checked a second time.
+  The flag must be a boolean scalar; with ``axis_name`` the devices still
+  agree on it (a step is skipped everywhere if any device's flag is False).
+
+  A skipped step runs ``inner`` all the same (on zero gradients, its results
+  thrown away): side effects inside it, such as ``jax.debug.print`` or host
+  callbacks, happen on skipped steps too. Derivatives through a skipped step
+  (``jax.grad`` of a training step with respect to a learning rate or the
+  parameters) are those of a step that changed nothing: finite, not NaN.
+
+  ``inner`` may be any ``GradientTransformation`` (extra arguments such as
+  ``value`` or ``value_fn`` are passed on to it); it must not change the
+  structure of its state from one step to the next. tests/test_catalogue.py
+  runs every transformation in ``optax`` and ``optax.contrib`` through it.
 
   Args:
     inner: the optimizer to wrap.
@@ -93,7 +108,11 @@ def dynamic_loss_scaling(
     scaler = state.scaler
     if finite is None:
       updates, finite = _scaler.unscale_and_check(scaler, updates, axis_name=axis_name)
-    finite = jnp.asarray(finite, jnp.bool_) & ~scaler.stalled
+    else:
+      finite = _scaler._as_flag(finite)
+      if axis_name is not None:  # each device may have checked only its own gradients
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    finite = finite & ~scaler.stalled
     updates, inner_state = _update_or_keep(
         finite, lambda u, s, p: inner.update(u, s, p, **extra_args), updates, state.inner_state, params
     )
@@ -119,50 +138,134 @@ def _update_or_keep(finite, update, updates, inner_state, params):
   (benchmarks/NOTES.md). On a finite step every value equals the unwrapped
   one; on a skipped step the state is the old one and the updates are
   masked, whatever they read.
+
+  Evaluating a jaxpr equation by equation uses JAX internals
+  (``jax.extend.core``, each equation's context): if that fails on some JAX
+  release, the select falls back to the outputs (correct, and slower).
+
+  Derivatives through a skipped step (meta-learning, hyperparameter
+  gradients) must be zero, not NaN: the updates are masked, but reverse mode
+  multiplies their zero cotangent by the derivatives of whatever ``update``
+  computed from the inf gradients or the old state (Adam's bias correction
+  at count 0 is 0/0): the ``where`` trap. So every input of ``update`` passes
+  through :func:`_no_derivative_unless`, which is the identity (no op in
+  the compiled step) but stops those cotangents on a skipped step; the
+  selected state keeps its derivative with respect to the old state. The
+  plain path also runs ``update`` on zero gradients when skipping, for the
+  values ``update`` closes over (a traced learning rate), which it cannot gate.
   """
-
-  def keep_if_skipped(new, old):
-    return jnp.where(finite, new, old)
-
-  def mask(u):
-    return jnp.where(finite, u, -0.0).astype(u.dtype)
-
-  if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((updates, inner_state, finite))):
+  if not any(isinstance(x, Tracer) for x in jax.tree.leaves((updates, inner_state, finite))):
     # Op by op (eagerly, or under `disable_jit`) there are no buffers to
     # reuse, and the jaxpr's jitted sub-calls would round differently.
-    new_updates, new_state = update(updates, inner_state, params)
-    return jax.tree.map(mask, new_updates), jax.tree.map(keep_if_skipped, new_state, inner_state)
-
+    return _select_outputs(finite, update, updates, inner_state, params)
   closed, out_shape = jax.make_jaxpr(update, return_shape=True)(updates, inner_state, params)
-  n_updates = len(jax.tree.leaves(out_shape[0]))
-  state_vars = closed.jaxpr.outvars[n_updates:]
-  old_leaves = jax.tree.leaves(inner_state)
-  produced = {v for eqn in closed.jaxpr.eqns for v in eqn.outvars}
-  repeats = collections.Counter(state_vars)
-  # A leaf passed through unchanged, or output twice, is selected at the end.
-  old_of = {v: old for v, old in zip(state_vars, old_leaves) if v in produced and repeats[v] == 1}
-  outs = _eval_jaxpr(
-      closed,
-      jax.tree.leaves((updates, inner_state, params)),
-      on_output=lambda v, x: keep_if_skipped(x, old_of[v]) if v in old_of else x,
+  _check_state_structure(out_shape[1], inner_state)
+  try:
+    return _select_where_produced(finite, closed, out_shape, (updates, inner_state, params))
+  except Exception as error:  # noqa: BLE001 - any failure of the evaluator, never of `update`
+    _log.debug("jaxscale: selecting on the outputs of the inner update (%r)", error)
+    return _select_outputs(finite, update, updates, inner_state, params)
+
+
+_log = logging.getLogger(__name__)
+
+
+def _check_state_structure(new_state, inner_state):
+  if jax.tree.structure(new_state) != jax.tree.structure(inner_state):
+    raise ValueError(
+        "`dynamic_loss_scaling` keeps the inner optimizer's state on a skipped step, so the "
+        "inner update must return a state of the structure it was given; it was given "
+        f"{jax.tree.structure(inner_state)} and returned {jax.tree.structure(new_state)}. "
+        "Build the state's final structure in the optimizer's `init`."
+    )
+
+
+@jax.custom_jvp
+def _no_derivative_unless(finite, x):
+  """``x``, whose derivative is zero (not ``0 * nan``) unless ``finite``."""
+  del finite
+  return x
+
+
+@_no_derivative_unless.defjvp
+def _no_derivative_unless_jvp(primals, tangents):
+  finite, x = primals
+  # A select, not a product: its transpose zeroes a NaN cotangent too.
+  return x, jnp.where(finite, tangents[1], jnp.zeros_like(tangents[1]))
+
+
+def _gate_tree(finite, tree):
+  return jax.tree.map(lambda x: _no_derivative_unless(finite, x) if _scaler._is_floating(x) else x, tree)
+
+
+def _mask(finite, u, dtype):
+  """The update ``u`` if ``finite``, else -0.0 (``apply_updates`` then changes no bit)."""
+  return jnp.where(finite, jnp.asarray(u, dtype), jnp.asarray(-0.0, dtype))
+
+
+def _keep_if_skipped(finite, new, old, dtype):
+  return jnp.where(finite, jnp.asarray(new, dtype), jnp.asarray(old, dtype))
+
+
+def _select_outputs(finite, update, updates, inner_state, params):
+  """The plain select on ``update``'s outputs: the eager path and the fallback."""
+  zeroed = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)) if _scaler._is_floating(u) else u, updates)
+  new_updates, new_state = update(*_gate_tree(finite, (zeroed, inner_state, params)))
+  _check_state_structure(new_state, inner_state)
+  return (
+      jax.tree.map(lambda u: _mask(finite, u, jnp.result_type(u)), new_updates),
+      jax.tree.map(lambda n, o: _keep_if_skipped(finite, n, o, jnp.result_type(n)), new_state, inner_state),
   )
-  new_updates = [mask(u) for u in outs[:n_updates]]
+
+
+def _select_where_produced(finite, closed, out_shape, args):
+  """The fast path: evaluates ``closed``, selecting each state leaf where it is produced."""
+  from jax.extend import core as jex_core  # noqa: PLC0415 - inside the fallback's reach
+
+  n_updates = len(jax.tree.leaves(out_shape[0]))
+  out_avals = jax.tree.leaves(out_shape)
+  state_vars = closed.jaxpr.outvars[n_updates:]
+  old_leaves = jax.tree.leaves(args[1])
+  produced = {v for eqn in closed.jaxpr.eqns for v in eqn.outvars}
+  # Literals (a constant new state) are not variables; they are selected at the end.
+  repeats = collections.Counter(v for v in state_vars if isinstance(v, jex_core.Var))
+  # A leaf passed through unchanged, or output twice, is selected at the end.
+  old_of = {
+      v: (old, aval.dtype)
+      for v, old, aval in zip(state_vars, old_leaves, out_avals[n_updates:])
+      if isinstance(v, jex_core.Var) and v in produced and repeats[v] == 1
+  }
+
+  selected = {}
+
+  def on_output(v, x):
+    if v not in old_of:
+      return x
+    old, dtype = old_of[v]
+    selected[v] = _keep_if_skipped(finite, x, old, dtype)
+    return _no_derivative_unless(finite, selected[v])  # what later equations read
+
+  consts, inputs = _gate_tree(finite, (closed.consts, jax.tree.leaves(args)))
+  outs = _eval_jaxpr(closed.jaxpr, consts, inputs, on_output=on_output)
+  new_updates = [_mask(finite, u, aval.dtype) for u, aval in zip(outs[:n_updates], out_avals)]
   new_state = [
-      x if v in old_of else keep_if_skipped(x, old)
-      for v, x, old in zip(state_vars, outs[n_updates:], old_leaves)
+      selected[v] if isinstance(v, jex_core.Var) and v in old_of else _keep_if_skipped(finite, x, old, aval.dtype)
+      for v, x, old, aval in zip(state_vars, outs[n_updates:], old_leaves, out_avals[n_updates:])
   ]
   return jax.tree.unflatten(jax.tree.structure(out_shape), new_updates + new_state)
 
 
-def _eval_jaxpr(closed, args, *, on_output):
+def _eval_jaxpr(jaxpr, consts, args, *, on_output):
   """``jax.core.eval_jaxpr``, passing each equation's outputs through ``on_output``."""
-  env = dict(zip(closed.jaxpr.constvars, closed.consts))
-  env.update(zip(closed.jaxpr.invars, args))
+  from jax.extend import core as jex_core  # noqa: PLC0415
+
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
 
   def read(v):
     return v.val if isinstance(v, jex_core.Literal) else env[v]
 
-  for eqn in closed.jaxpr.eqns:
+  for eqn in jaxpr.eqns:
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     # Older jax releases return `(subfuns, params)`; newer ones fold subfuns into params.
     subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
@@ -170,7 +273,7 @@ def _eval_jaxpr(closed, args, *, on_output):
       outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
     for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
       env[v] = on_output(v, x)
-  return [read(v) for v in closed.jaxpr.outvars]
+  return [read(v) for v in jaxpr.outvars]
 
 
 def find_scaler(opt_state: Any) -> _scaler.ScalerState:
@@ -179,7 +282,9 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
   Looks through any pytree: ``optax.chain``, ``MultiSteps``,
   ``inject_hyperparams``, a Flax ``TrainState``, an ``nnx.Optimizer``'s
   ``opt_state`` (whose leaves NNX wraps in Variables: they are unwrapped, so
-  the result works with :func:`jaxscale.scale` and reads as numbers).
+  the result works with :func:`jaxscale.scale` and reads as numbers), and
+  the state mappings of ``nnx.state(optimizer)``, ``nnx.split(optimizer)``
+  or a serialized state dict, where the scaler is a mapping of its fields.
 
   Args:
     opt_state: any pytree holding exactly one :class:`ScalerState`.
@@ -198,9 +303,9 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
     Array(512., dtype=float32)
   """
   found = [
-      leaf
-      for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, _scaler.ScalerState))
-      if isinstance(leaf, _scaler.ScalerState)
+      leaf if isinstance(leaf, _scaler.ScalerState) else _scaler.ScalerState(**{k: leaf[k] for k in _FIELDS})
+      for leaf in jax.tree.leaves(opt_state, is_leaf=_is_scaler)
+      if _is_scaler(leaf)
   ]
   if len(found) != 1:
     what = "no ScalerState" if not found else f"{len(found)} ScalerStates"
@@ -214,6 +319,17 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
   # themselves, so a tree map would reach the arrays inside them and leave
   # the Variables in place.
   return found[0]._make(_unwrap_variable(field) for field in found[0])
+
+
+_FIELDS = frozenset(_scaler.ScalerState._fields)
+
+
+def _is_scaler(x) -> bool:
+  """A ScalerState, or a mapping of its fields: NNX's ``nnx.state`` / ``nnx.split`` views
+  and serialized state dicts hold the scaler as such a mapping."""
+  if isinstance(x, _scaler.ScalerState):
+    return True
+  return isinstance(x, Mapping) and set(x.keys()) == _FIELDS
 
 
 def _unwrap_variable(leaf):

@@ -31,6 +31,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.core import Tracer
 
 StallPolicy = Literal["skip", "raise"]
 
@@ -136,10 +137,10 @@ def init(
   """
   if on_stall not in ("skip", "raise"):
     raise ValueError(f"`on_stall` must be 'skip' or 'raise', got {on_stall!r}.")
-  if not isinstance(enabled, bool):
-    raise ValueError(f"`enabled` must be a Python bool, got {enabled!r}.")
+  if not isinstance(enabled, (bool, np.bool_)):
+    raise TypeError(f"`enabled` must be a Python bool, got {enabled!r}.")
   options = dict(
-      scale=init_scale if enabled else 1.0,
+      scale=init_scale,
       growth_factor=growth_factor,
       backoff_factor=backoff_factor,
       growth_interval=growth_interval,
@@ -148,18 +149,20 @@ def init(
       max_scale=max_scale,
       dynamic=dynamic,
   )
-  _validate({**options, "scale": init_scale}, name_of_scale="init_scale")
+  stored = _validate(options, {}, name_of_scale="init_scale")
+  if not enabled:
+    stored["scale"] = np.float32(1.0)
   # `jnp.array` copies: no two leaves may share a buffer, or donating the
   # state would donate one buffer twice.
-  arrays = {k: jnp.array(v, _OPTION_DTYPES[k]) for k, v in options.items()}
+  arrays = {k: jnp.array(v, _OPTION_DTYPES[k]) for k, v in stored.items()}
   return ScalerState(
       growth_tracker=jnp.zeros((), jnp.int32),
-      hysteresis_tracker=jnp.array(hysteresis, jnp.int32),
+      hysteresis_tracker=jnp.array(stored["hysteresis"], jnp.int32),
       skipped_steps=jnp.zeros((), jnp.int32),
       last_skipped=jnp.zeros((), jnp.bool_),
       stalled=jnp.zeros((), jnp.bool_),
       raise_on_stall=jnp.asarray(on_stall == "raise"),
-      enabled=jnp.asarray(enabled),
+      enabled=jnp.asarray(bool(enabled)),
       **arrays,
   )
 
@@ -171,8 +174,15 @@ def configure(state: ScalerState, **options: Any) -> ScalerState:
   ``set_growth_interval`` and ``update(new_scale)``: any of ``scale``,
   ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``,
   ``min_scale``, ``max_scale``, ``dynamic`` and ``growth_tracker`` may be given.
-  Concrete values are validated like :func:`init`'s; traced ones are not.
-  On a disabled state the scale stays 1.0.
+  Concrete values are validated like :func:`init`'s, together with the
+  options they bound (a new ``min_scale`` must not exceed the current scale);
+  traced ones only by dtype. Setting ``hysteresis`` refills the tolerance of
+  non-finite steps. On a disabled state the scale stays 1.0.
+
+  Raises:
+    ValueError: if an option is unknown or out of range (as stored: float32
+      for scales and factors, int32 for counts).
+    TypeError: if an option has the wrong type (``dynamic="no"``).
 
   Args:
     state: the scaler state to change.
@@ -196,42 +206,112 @@ def configure(state: ScalerState, **options: Any) -> ScalerState:
     raise ValueError(
         f"`configure` cannot change {unknown}; it takes any of {sorted(_OPTION_DTYPES)}."
     )
-  current = {k: getattr(state, k) for k in _OPTION_DTYPES}
-  _validate({**current, **options}, name_of_scale="scale")
-  arrays = {k: jnp.array(v, _OPTION_DTYPES[k]) for k, v in options.items()}
+  current = {k: getattr(state, k) for k in _OPTION_DTYPES if k not in options}
+  if not isinstance(state.enabled, Tracer) and not np.asarray(state.enabled).all():
+    current.pop("scale", None)  # a disabled state's 1.0 bounds nothing
+  stored = _validate(options, current, name_of_scale="scale")
+  arrays = {k: jnp.array(v, _OPTION_DTYPES[k]) for k, v in stored.items()}
   if "scale" in arrays:
     arrays["scale"] = jnp.where(state.enabled, arrays["scale"], state.scale)
+  if "hysteresis" in arrays:
+    arrays["hysteresis_tracker"] = jnp.array(arrays["hysteresis"])
   return state._replace(**arrays)
 
 
-def _validate(options: dict[str, Any], *, name_of_scale: str) -> None:
-  """Raises ValueError for out-of-range options; skips values under tracing."""
-  value = {}
-  for name, v in options.items():
-    if isinstance(v, jax.core.Tracer):
-      continue
-    v = np.asarray(v)
-    if v.shape != ():
-      raise ValueError(f"`{name}` must be a scalar, got an array of shape {v.shape}.")
-    value[name] = v.item()
+_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
+_INT32 = np.iinfo(np.int32)
+
+
+def _validate(given: dict[str, Any], current: dict[str, Any], *, name_of_scale: str) -> dict[str, Any]:
+  """Returns ``given`` as it will be stored; raises for values that cannot work.
+
+  Each value is converted to its storage dtype first (NumPy float32, int32 or
+  bool) and checked there: 1e39 is inf in float32, 0.99999999 is 1.0. Given
+  values must be scalars; ``current`` ones (the state's, which ``vmap`` may
+  have batched) are checked elementwise. Traced values are checked by dtype
+  only, and returned as they are.
+  """
+
+  def shown(name):
+    return name_of_scale if name == "scale" else name
+
+  stored = {name: _stored(shown(name), name, v, scalar=True) for name, v in given.items()}
+  values = {name: v for name, v in {**current, **stored}.items() if not isinstance(v, Tracer)}
+  values = {name: np.asarray(v) for name, v in values.items()}
 
   def check(name, ok, requirement):
-    if name in value and not ok(value[name]):
-      shown = name_of_scale if name == "scale" else name
-      raise ValueError(f"`{shown}` must be {requirement}, got {value[name]!r}.")
+    if name in given and name in values and not np.all(ok(values[name])):
+      received = given[name]
+      note = ""
+      if _OPTION_DTYPES[name] != jnp.bool_ and float(values[name]) != float(received):
+        dtype = np.dtype(_OPTION_DTYPES[name]).name
+        note = f", which {dtype} stores as {values[name].item()!r}"
+      raise ValueError(f"`{shown(name)}` must be {requirement}, got {received!r}{note}.")
 
-  check("scale", lambda s: math.isfinite(s) and s > 0, "finite and > 0")
-  check("growth_factor", lambda g: g > 1, "> 1")
-  check("backoff_factor", lambda b: 0 < b < 1, "in the open interval (0, 1)")
-  check("growth_interval", lambda n: float(n).is_integer() and n >= 1, "an integer >= 1")
-  check("growth_tracker", lambda n: float(n).is_integer() and n >= 0, "an integer >= 0")
-  check("hysteresis", lambda n: float(n).is_integer() and n >= 1, "an integer >= 1")
-  check("min_scale", lambda m: math.isfinite(m) and m >= 0, "finite and >= 0")
-  check("max_scale", lambda m: m > 0, "> 0")
-  if "min_scale" in value and "max_scale" in value and value["min_scale"] > value["max_scale"]:
+  with np.errstate(invalid="ignore"):
+    check("scale", lambda s: np.isfinite(s) & (s >= _TINY),
+          "a normal float32: finite and at least 2**-126 (~1.18e-38)")
+    check("growth_factor", lambda g: np.isfinite(g) & (g > 1), "finite and > 1 in float32")
+    check("backoff_factor", lambda b: (b > 0) & (b < 1), "in the open interval (0, 1) in float32")
+    check("growth_interval", lambda n: n >= 1, "an integer >= 1")
+    check("growth_tracker", lambda n: n >= 0, "an integer >= 0")
+    check("hysteresis", lambda n: n >= 1, "an integer >= 1")
+    check("min_scale", lambda m: (m == 0) | (np.isfinite(m) & (m >= _TINY)),
+          "0 (no bound) or a normal float32: finite and at least 2**-126")
+    check("max_scale", lambda m: m >= _TINY, "at least 2**-126 in float32 (inf for no bound)")
+
+  def bound(low, high, why):
+    if low in values and high in values and (low in given or high in given):
+      if not np.all(values[low] <= values[high]):
+        raise ValueError(
+            f"`{shown(low)}` ({_show(values[low])}) must not exceed `{shown(high)}` "
+            f"({_show(values[high])}): {why}."
+        )
+
+  bound("min_scale", "max_scale", "no scale could satisfy both")
+  bound("min_scale", "scale", "a back-off would raise the scale; lower `min_scale` or raise the scale")
+  bound("scale", "max_scale", "a growth would lower the scale; raise `max_scale` or lower the scale")
+  return stored
+
+
+def _show(x: np.ndarray) -> Any:
+  return x.item() if x.shape == () else x
+
+
+def _stored(shown: str, name: str, value: Any, *, scalar: bool) -> Any:
+  """``value`` converted to option ``name``'s storage dtype; TypeError/ValueError naming it."""
+  dtype = np.dtype(_OPTION_DTYPES[name])
+  wanted = "a bool" if dtype.kind == "b" else "a real number"
+  if isinstance(value, Tracer):
+    kind = value.dtype.kind
+  elif isinstance(value, int) and not isinstance(value, bool):
+    kind = "i"  # also a Python int too large for NumPy: out of range below
+  elif isinstance(value, (str, bytes)) or value is None:
+    kind = "U"
+  else:
+    kind = np.asarray(value).dtype.kind
+  if (dtype.kind == "b") != (kind == "b") or kind not in "biuf":
+    raise TypeError(f"`{shown}` must be {wanted}, got {value!r} of type {type(value).__name__}.")
+  if isinstance(value, Tracer):
+    return value
+  if isinstance(value, int) and not _INT32.min <= value <= _INT32.max:
+    array = np.asarray(math.inf if value > 0 else -math.inf)  # out of range, and may not fit NumPy
+  else:
+    array = np.asarray(value)
+  if scalar and array.shape != ():
+    raise ValueError(f"`{shown}` must be a scalar, got an array of shape {array.shape}.")
+  if dtype.kind == "b":
+    return array.astype(dtype)
+  if dtype.kind == "f":
+    with np.errstate(over="ignore", under="ignore"):
+      return array.astype(np.float64).astype(dtype)
+  with np.errstate(invalid="ignore"):
+    fits = np.all(np.isfinite(array) & (np.mod(array, 1) == 0) & (array >= _INT32.min) & (array <= _INT32.max))
+  if not fits:
     raise ValueError(
-        f"`min_scale` ({value['min_scale']}) must not exceed `max_scale` ({value['max_scale']})."
+        f"`{shown}` must be an integer that fits in int32 ({_INT32.min} to {_INT32.max}), got {value!r}."
     )
+  return array.astype(dtype)
 
 
 def scale(state: ScalerState, tree: Any) -> Any:
@@ -373,7 +453,7 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
   # #14. `isfinite(x).all()` writes a bool array of every leaf; `max` drops
   # NaNs on CPU.)
   total = sum(
-      (jnp.sum(g * 0).astype(jnp.float32) for g in jax.tree.leaves(tree) if _is_floating(g)),
+      (_nan_unless_finite(jnp.asarray(g)) for g in jax.tree.leaves(tree) if _is_floating(g)),
       start=jnp.zeros((), jnp.float32),
   )
   # `total` is 0 or NaN. Left as is, XLA inlines this chain of per-leaf
@@ -387,6 +467,20 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
   return finite
 
 
+def _nan_unless_finite(g: jax.Array) -> jax.Array:
+  """A float32 scalar: 0 if every element of ``g`` is finite, else NaN.
+
+  ``g`` is a JAX array (a NumPy one would compute ``inf * 0`` eagerly, with a
+  warning). A complex leaf is finite iff both parts are: ``inf * 0`` is NaN in
+  either part, and both parts are summed rather than cast (the cast would
+  drop the imaginary part, with a warning).
+  """
+  total = jnp.sum(g * 0)
+  if jnp.iscomplexobj(total):
+    total = jnp.real(total) + jnp.imag(total)
+  return total.astype(jnp.float32)
+
+
 def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   """Returns the next state after a step whose gradients were ``finite``.
 
@@ -395,13 +489,19 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
 
   Args:
     state: the scaler state of the step.
-    finite: a scalar bool (array): whether the step's gradients were all
-      finite, as :func:`unscale_and_check` returns it.
+    finite: a boolean scalar (a Python bool or a ``bool`` array of shape
+      ``()``), such as the flag of :func:`unscale_and_check`. Other dtypes are
+      refused rather than converted: a float flag would make NaN count as
+      True.
 
   Returns:
     The next :class:`ScalerState`: after a finite step the growth tracker
     counts up and the scale grows every ``growth_interval`` steps; after a
     non-finite one the step counts as skipped and the scale backs off.
+
+  Raises:
+    TypeError: if ``finite`` is not boolean.
+    ValueError: if ``finite`` is not a scalar (checked at trace time).
 
   Examples:
     >>> import jaxscale
@@ -409,7 +509,7 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
     >>> float(state.scale), int(state.skipped_steps)
     (512.0, 1)
   """
-  finite = jnp.asarray(finite, jnp.bool_) & ~state.stalled
+  finite = _as_flag(finite) & ~state.stalled
   dynamic = state.dynamic
   hysteresis_left = jnp.where(finite, state.hysteresis_tracker, jnp.maximum(state.hysteresis_tracker - 1, 0))
   tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
@@ -433,11 +533,31 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   return jax.tree.map(lambda n, o: jnp.where(state.enabled, n, o), new, state)
 
 
+def _as_flag(finite: Any) -> jax.Array:
+  """``finite`` as a bool array of shape (); TypeError/ValueError otherwise."""
+  dtype = getattr(finite, "dtype", None)
+  if dtype is None and isinstance(finite, (bool, np.bool_)):
+    dtype = np.dtype(bool)
+  if dtype != np.dtype(bool):
+    what = f"an array of dtype {dtype}" if dtype is not None else f"{finite!r} of type {type(finite).__name__}"
+    raise TypeError(
+        f"`finite` must be a bool scalar (such as the flag of `unscale_and_check`), got {what}; "
+        "compare explicitly, e.g. `jnp.isfinite(x).all()`."
+    )
+  if jnp.shape(finite) != ():
+    raise ValueError(
+        f"`finite` must be a bool scalar of shape (), got shape {jnp.shape(finite)}; "
+        "reduce it first, e.g. with `.all()`."
+    )
+  return jnp.asarray(finite)
+
+
 def raise_if_stalled(state: ScalerState) -> None:
   """Raises FloatingPointError if the scaler stalled (see ``on_stall``).
 
   This reads one bool from the device, so it synchronises with it: call it
-  where you already log, not on every step.
+  where you already log, not on every step. A batch of scalers (after
+  ``jax.vmap``) raises if any of them stalled, naming which.
 
   Args:
     state: a scaler state, e.g. ``jaxscale.find_scaler(opt_state)``.
@@ -456,13 +576,20 @@ def raise_if_stalled(state: ScalerState) -> None:
     ...
     FloatingPointError: jaxscale: a step overflowed while the loss scale was already at `min_scale` (1.0); ...
   """
-  if bool(jax.device_get(state.stalled)):
-    raise FloatingPointError(
-        "jaxscale: a step overflowed while the loss scale was already at "
-        f"`min_scale` ({float(state.min_scale)}); every step since has been "
-        "skipped and the parameters hold their last finite values. Lower "
-        "`min_scale`, or look for the source of the inf/NaN in the model."
-    )
+  stalled = np.asarray(jax.device_get(state.stalled))
+  if not stalled.any():
+    return
+  floor = np.asarray(jax.device_get(state.min_scale))
+  which = ""
+  if stalled.shape != ():
+    indices = np.flatnonzero(stalled) if stalled.ndim == 1 else np.argwhere(stalled)
+    which = f" (scalers {indices.tolist()} of a batch of shape {stalled.shape})"
+    floor = np.unique(np.broadcast_to(floor, stalled.shape)[stalled])
+  raise FloatingPointError(
+      f"jaxscale: a step overflowed while the loss scale was already at `min_scale` "
+      f"({_show(floor)}){which}; every step since has been skipped and the parameters hold "
+      "their last finite values. Lower `min_scale`, or look for the source of the inf/NaN in the model."
+  )
 
 
 def _wide(dtype) -> Any:

@@ -35,12 +35,17 @@ def state_dict(state: _scaler.ScalerState) -> dict[str, float | int]:
     ``backoff_factor``, ``growth_interval``, ``_growth_tracker``), or ``{}``
     for a disabled state.
 
+  Raises:
+    ValueError: if ``state`` is a batch of scalers (its leaves have a leading
+      axis, as after ``jax.vmap``): torch's dict holds one scaler.
+
   Examples:
     >>> import jaxscale
     >>> jaxscale.state_dict(jaxscale.init())
     {'scale': 65536.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 2000, '_growth_tracker': 0}
   """
   state = jax.device_get(state)
+  _require_one_scaler(state, "state_dict")
   if not state.enabled:
     return {}
   return {key: getattr(state, field).item() for key, field in _TORCH_KEYS.items()}
@@ -63,9 +68,9 @@ def load_state_dict(state: _scaler.ScalerState, d: Mapping[str, Any]) -> _scaler
     ``state`` with the scale, the growth tracker and torch's options from ``d``.
 
   Raises:
-    ValueError: if ``d`` is empty (saved from a disabled scaler), lacks one of
-      torch's keys, has a key torch does not write, or holds an
-      out-of-range value.
+    ValueError: if ``state`` is a batch of scalers (after ``jax.vmap``), if
+      ``d`` is empty (saved from a disabled scaler), lacks one of torch's
+      keys, has a key torch does not write, or holds an out-of-range value.
 
   Examples:
     >>> import jaxscale
@@ -75,6 +80,7 @@ def load_state_dict(state: _scaler.ScalerState, d: Mapping[str, Any]) -> _scaler
     >>> float(state.scale), int(state.growth_tracker), int(state.growth_interval)
     (1024.0, 7, 100)
   """
+  _require_one_scaler(state, "load_state_dict")
   if not bool(jax.device_get(state.enabled)):
     return state
   if not d:
@@ -90,6 +96,16 @@ def load_state_dict(state: _scaler.ScalerState, d: Mapping[str, Any]) -> _scaler
     )
   values = {field: _to_python(d[key]) for key, field in _TORCH_KEYS.items()}
   return _scaler.configure(state, **values)
+
+
+def _require_one_scaler(state: _scaler.ScalerState, name: str) -> None:
+  shape = jax.numpy.shape(state.scale)
+  if shape != ():
+    raise ValueError(
+        f"`{name}` takes one scaler, but this state holds a batch of them (its leaves have shape "
+        f"{shape}, as after `jax.vmap`); pick one first, e.g. "
+        f"`{name}(jax.tree.map(lambda x: x[i], state))`."
+    )
 
 
 def _to_python(value: Any) -> float | int:

@@ -46,6 +46,16 @@ def check_results(results, out):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0] == r.name and cells[-2:] == [f"{r.ms_per_step:.1f}", f"{r.compile_s:.1f}"]
   assert " ".join(lines[-3:]).endswith(".") and "Against float32's held-out loss" in "".join(out.split("\n\n")[-1])
+  # Same model, seed and first batch: the first losses agree to float16's precision.
+  np.testing.assert_allclose([r.loss[0] for r in results[1:]], results[0].loss[0], rtol=1e-2)
+  # The scaler's record is consistent: a skipped step halves the next step's scale, a taken one
+  # never lowers it.
+  scaled = results[-1]
+  for i in range(len(scaled.loss) - 1):
+    if scaled.skipped[i]:
+      assert scaled.scale[i + 1] == scaled.scale[i] / 2, (i, scaled.scale)
+    else:
+      assert scaled.scale[i + 1] >= scaled.scale[i], (i, scaled.scale)
 
 
 def test_lm(tmp_path, capsys):
@@ -59,7 +69,6 @@ def test_lm(tmp_path, capsys):
 def test_digits(tmp_path, capsys):
   results = run_example("digits", ["--width", "4", "--batch", "16", "--out", str(tmp_path / "digits.png")])
   check_results(results, capsys.readouterr().out)
-  assert 0 <= results[-1].eval_metrics[-1]["accuracy"] <= 1
   assert (tmp_path / "digits.png").stat().st_size > 0
 
 

@@ -145,7 +145,8 @@ def test_disabled_state_is_inert():
   assert bool(finite)
   np.testing.assert_array_equal(grads["w"], np.array([np.nan, 1.0], np.float32))
   x = jnp.float16(3.0)
-  assert jaxscale.scale(state, x) is not None and float(jaxscale.scale(state, x)) == 3.0
+  scaled = jaxscale.scale(state, x)
+  assert scaled.dtype == jnp.float16 and float(scaled) == 3.0
 
 
 def test_configure_sets_scale_like_torch_update_new_scale():
@@ -314,11 +315,14 @@ def test_value_and_grad_returns_unscaled_value_and_grads():
 def test_flag_is_finiteness_of_the_unscaled_gradients(dtype, log2_scale, values):
   # The flag is computed from the scaled buffers (see unscale_and_check); it
   # must still say exactly whether the *unscaled* gradients are all finite.
-  state = jaxscale.init(init_scale=float(np.float32(2.0**log2_scale)))
-  with np.errstate(over="ignore"):
-    grads = {"g": jnp.asarray(np.asarray(values, np.float32).astype(dtype))}
-  unscaled, finite = jax.jit(jaxscale.unscale_and_check)(state, grads)
-  assert bool(finite) == bool(np.isfinite(np.asarray(unscaled["g"], np.float32)).all())
+  scale = np.float32(2.0**log2_scale)
+  state = jaxscale.init(init_scale=float(scale))
+  with np.errstate(over="ignore", invalid="ignore"):
+    g = np.asarray(values, np.float32).astype(dtype)
+    # The reference in NumPy: torch's `g * fl(1 / scale)` in float32, back in the gradient's dtype.
+    true = (g.astype(np.float32) * (np.float32(1) / scale)).astype(dtype)
+  _, finite = jax.jit(jaxscale.unscale_and_check)(state, {"g": jnp.asarray(g)})
+  assert bool(finite) == bool(np.isfinite(true.astype(np.float32)).all())
 
 
 def test_all_finite_ignores_integers_and_agrees_over_an_axis():

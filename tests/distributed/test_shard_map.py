@@ -138,3 +138,22 @@ def test_wrapper_skips_on_every_device(mapper, layout):
   assert_same_on_every_device(new_state.scaler)
   if replicated_params:
     assert_same_on_every_device(new_params)
+
+
+@pytest.mark.parametrize("mapper", MAPPERS)
+def test_wrapper_agrees_on_a_flag_passed_in(mapper):
+  # Each device checks its own gradients and passes its local flag with `finite=`; the wrapper,
+  # built with `axis_name`, must still take one decision for all (else the replicas diverge).
+  tx = jaxscale.dynamic_loss_scaling(optax.chain(pmean_gradients(), optax.sgd(0.5)), axis_name=AXIS, init_scale=SCALE)
+  params = replicate({"w": jnp.ones((4, 3)), "b": jnp.zeros(3)})
+  opt_state = jax.vmap(tx.init)(params)
+
+  def step(params, opt_state, grads):
+    grads, local = jaxscale.unscale_and_check(jaxscale.find_scaler(opt_state), grads)
+    updates, opt_state = tx.update(grads, opt_state, params, finite=local)
+    return optax.apply_updates(params, updates), opt_state
+
+  new_params, new_state = run_mapped(mapper, step, params, opt_state, per_device_grads(poison=True))
+  jax.tree.map(np.testing.assert_array_equal, new_params, params)  # skipped everywhere, no -inf
+  assert np.asarray(new_state.scaler.last_skipped).all()
+  assert_same_on_every_device(new_state.scaler)

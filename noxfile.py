@@ -1,0 +1,61 @@
+"""Test sessions on the newest and the oldest versions of jax, optax and flax that jaxscale supports.
+
+    nox -s tests-newest   # what README's test command installs (the newest releases)
+    nox -s tests-oldest   # the lower bounds of pyproject.toml, pinned exactly
+
+The oldest session pins jax, jaxlib, optax and flax to the lower bounds in pyproject.toml (keep the
+two in step: these pins are what proves the bounds), installs the rest of the `test` extra at
+whatever versions pip finds compatible with them, and leaves torch out: the parity tests then run
+against the committed torch fixtures. Arguments after `--` go to pytest.
+"""
+
+import pathlib
+import tomllib
+
+import nox
+from packaging.version import Version
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests-newest", "tests-oldest"]
+
+OLDEST = ["jax==0.7.1", "jaxlib==0.7.1", "optax==0.2.5", "flax==0.12.0"]
+
+PYPROJECT = tomllib.loads(pathlib.Path(__file__).with_name("pyproject.toml").read_text())
+
+
+def pytest_args(session):
+  return session.posargs or ["-n", "2", "-q"]
+
+
+@nox.session(name="tests-newest")
+def tests_newest(session):
+  session.install("-e", ".[test]")
+  session.run("python", "-m", "pytest", *pytest_args(session))
+
+
+@nox.session(name="tests-oldest")
+def tests_oldest(session):
+  project = PYPROJECT["project"]
+  bounds = {
+      _name(dep): dep.split(">=")[1]
+      for dep in project["dependencies"] + project["optional-dependencies"]["flax"]
+      if ">=" in dep
+  }
+  for pin in OLDEST:
+    name, version = pin.split("==")
+    if name in bounds and Version(bounds[name]) != Version(version):
+      session.error(f"noxfile.py pins {pin} but pyproject.toml allows {name}>={bounds[name]}: keep them equal.")
+  test_extra = project["optional-dependencies"]["test"]
+  pinned = {pin.split("==")[0] for pin in OLDEST}
+  rest = [dep for dep in test_extra if _name(dep) not in pinned | {"torch"}]
+  session.install(*OLDEST, *rest)
+  session.install("--no-deps", "-e", ".")
+  session.run("python", "-m", "pip", "check")
+  session.run("python", "-m", "pytest", *pytest_args(session))
+
+
+def _name(requirement):
+  for separator in "<>=!~[; ":
+    requirement = requirement.split(separator)[0]
+  return requirement.lower()
