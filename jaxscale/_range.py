@@ -83,10 +83,11 @@ def _leaf_counts(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> dict[str, j
   """One leaf's counts, from one read of ``x`` (XLA fuses the reductions)."""
   if x.size >= 2**31:
     raise ValueError(f"`range_stats` counts each leaf in int32; a leaf of shape {x.shape} is too large: split it.")
-  x = x.astype(jnp.float32)
+  # Classified in the leaf's own dtype: a float64 1e300 is a finite input that overflows, not an inf
+  # input, and 1e-300 a nonzero one that underflows, though float32 holds neither.
   finite = jnp.isfinite(x)
   nonzero = finite & (_magnitude_bits(x) != 0)
-  scaled = x * scale
+  scaled = x.astype(jnp.float32) * scale
   cast = scaled.astype(dtype)
   cast_bits = _magnitude_bits(cast)
   cast_finite = jnp.isfinite(cast)

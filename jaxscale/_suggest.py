@@ -37,8 +37,9 @@ def _max_magnitude(tree: Any) -> jax.Array:
     if isinstance(x, _range.RangeStats):
       maxima.append(jax.lax.bitcast_convert_type(x.max_magnitude, jnp.int32))
     elif _range._is_floating(x):
-      x = jnp.asarray(x).astype(jnp.float32)
-      bits = _range._magnitude_bits(x).astype(jnp.int32)
+      x = jnp.asarray(x)
+      # Finite in its own dtype: a float64 1e300 must shrink the scale, though float32 holds it as inf.
+      bits = _range._magnitude_bits(x.astype(jnp.float32)).astype(jnp.int32)
       maxima.append(jnp.max(jnp.where(jnp.isfinite(x), bits, 0), initial=0))
   return jnp.max(jnp.stack(maxima))
 
@@ -57,6 +58,7 @@ def _scale_for(bits: jax.Array, dtype: np.dtype, headroom: int) -> jax.Array:
   # when m's mantissa is the larger. Float32 subnormal maxima count as 2**-127: the clip decides.
   exponent = jnp.maximum(bits >> 23, 0) - 127
   k = (top >> 23) - 127 - exponent - ((bits & 0x7FFFFF) > (top & 0x7FFFFF)).astype(jnp.int32) - headroom
+  k = jnp.where(bits >= 0x7F800000, -126, k)  # beyond float32's range (a float64 leaf): the smallest
   scale = jax.lax.bitcast_convert_type((jnp.clip(k, -126, 127) + 127) << 23, jnp.float32)
   return jnp.where(bits > 0, scale, jnp.float32(_FALLBACK_SCALE))
 

@@ -99,3 +99,9 @@ def test_probe_scale_with_nnx_under_nnx_jit():
   grads, taps = nnx.grad(loss_fn, argnums=(0, 2))(model, x, jaxscale.tap_probes(["hidden"]))
   assert float(probe.scale) == float(jaxscale.suggest_scale((grads, taps)))
   assert sorted(probe.taps) == ["hidden"]
+
+
+def test_float64_gradients_beyond_float32_range_still_set_the_scale():
+  with jax.enable_x64(True):
+    assert float(jaxscale.suggest_scale(jnp.array([1e300, 1.0], jnp.float64))) == 2.0**-126
+
