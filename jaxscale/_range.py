@@ -199,7 +199,8 @@ def range_stats(tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typi
     ``histogram.sum() + zeros + nonfinite == size``.
 
   Raises:
-    ValueError: if ``dtype`` is not such a floating dtype.
+    ValueError: if ``dtype`` is not such a floating dtype, or ``scale`` is
+      not a scalar.
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale
@@ -213,7 +214,10 @@ def range_stats(tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typi
     0.0
   """
   # A float32 array whatever was given, so that 1.0 and jnp.float32(1.0) share one compilation.
-  return _range_stats(tree, jnp.asarray(scale, jnp.float32), _check_dtype(dtype))
+  scale = jnp.asarray(scale, jnp.float32)
+  if scale.shape:
+    raise ValueError(f"`scale` must be a scalar, got an array of shape {scale.shape}.")
+  return _range_stats(tree, scale, _check_dtype(dtype))
 
 
 def format_range_stats(stats: RangeStats | dict[str, RangeStats]) -> str:

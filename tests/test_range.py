@@ -144,3 +144,7 @@ def test_float64_leaves_beyond_float32_range_are_underflow_and_overflow_not_zero
   assert [float(stats.zeros), float(stats.nonfinite)] == [1.0, 1.0]
   assert float(stats.histogram.sum() + stats.zeros + stats.nonfinite) == float(stats.size)
 
+
+def test_scale_must_be_a_scalar():
+  with pytest.raises(ValueError, match="`scale`.*shape \\(4,\\)"):
+    jaxscale.range_stats(jnp.ones(1), scale=jnp.ones(4))
