@@ -45,7 +45,11 @@ def _max_magnitude(tree: Any) -> jax.Array:
 
 
 def _check_headroom(headroom: float) -> int:
-  exponent = np.log2(headroom) if isinstance(headroom, (int, float)) and headroom >= 1 else 0.5
+  try:  # a Python, NumPy or concrete JAX number; not a string, a bool or a tracer
+    value = float(headroom) if np.issubdtype(np.asarray(headroom).dtype, np.number) else 0.0
+  except TypeError:
+    value = 0.0
+  exponent = np.log2(value) if 1 <= value < np.inf else 0.5
   if exponent != int(exponent):
     raise ValueError(f"`headroom` must be a power of two >= 1 (such as 8.0), got {headroom!r}.")
   return int(exponent)

@@ -105,3 +105,11 @@ def test_float64_gradients_beyond_float32_range_still_set_the_scale():
   with jax.enable_x64(True):
     assert float(jaxscale.suggest_scale(jnp.array([1e300, 1.0], jnp.float64))) == 2.0**-126
 
+
+def test_headroom_as_a_numpy_or_jax_scalar():
+  g = jnp.array([3.0])
+  for headroom in (np.float32(8.0), jnp.float32(8.0), np.int64(8)):
+    assert float(jaxscale.suggest_scale(g, headroom=headroom)) == 2.0**11
+  for bad in (float("inf"), float("nan"), "8", None):
+    with pytest.raises(ValueError, match="`headroom`"):
+      jaxscale.suggest_scale(g, headroom=bad)
