@@ -59,6 +59,8 @@ def test_bad_types():
     jaxscale.get_policy(16)
   with pytest.raises(ValueError, match="compute_dtype.*int32"):
     jaxscale.Policy(jnp.float32, jnp.int32, jnp.float32)
+  with pytest.raises(ValueError, match="param_dtype.*None"):  # np.dtype(None) is float64
+    jaxscale.Policy(None, jnp.float16, jnp.float32)
 
 
 def test_policy_is_hashable_static_arg():
@@ -114,8 +116,9 @@ def test_needs_loss_scaling():
   assert jaxscale.needs_loss_scaling(jaxscale.get_policy("p=f16,c=f16")) is True
   for off in ("mixed_bfloat16", "float32", jnp.bfloat16, "float32", np.dtype("float32")):
     assert jaxscale.needs_loss_scaling(off) is False
-  with pytest.raises(TypeError, match="needs_loss_scaling"):
-    jaxscale.needs_loss_scaling(object())
+  for bad in (object(), None):  # np.dtype(None) is float64
+    with pytest.raises(TypeError, match="needs_loss_scaling"):
+      jaxscale.needs_loss_scaling(bad)
 
 
 @pytest.mark.parametrize("spec", ["mixed_float16", "mixed_bfloat16", "float32"])
