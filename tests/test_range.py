@@ -148,3 +148,14 @@ def test_float64_leaves_beyond_float32_range_are_underflow_and_overflow_not_zero
 def test_scale_must_be_a_scalar():
   with pytest.raises(ValueError, match="`scale`.*shape \\(4,\\)"):
     jaxscale.range_stats(jnp.ones(1), scale=jnp.ones(4))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's buffers; GPUs fuse differently")
+def test_few_leaf_sized_temporaries():
+  """The counts come from one scatter, not one integer reduction each: XLA:CPU writes every
+  integer reduction's operand out (its tree-reduction rewrite), nine leaf-sized arrays before."""
+  from jaxscale import _range
+
+  leaf = jax.ShapeDtypeStruct((2**20,), jnp.float32)
+  compiled = _range._range_stats.lower({"g": leaf}, jnp.float32(1.0), np.dtype(jnp.float16)).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes <= 5 * leaf.size * 4
