@@ -84,7 +84,13 @@ def range_histogram(
 
   rows = math.ceil(len(names) / columns)
   ncols = min(columns, len(names))
-  fig = figure_class(figsize=(4.6 * ncols, 3.2 * rows + 0.6))
+  width = 4.6 * ncols
+  # The legend (the runs, three limits, two regions) wraps to the figure's width, in rows below the panels.
+  entries = len(runs) + 5
+  legend_columns = max(1, min(entries, int(width // 2.2)))
+  legend_height = 0.1 + 0.2 * math.ceil(entries / legend_columns)
+  height = 3.2 * rows + 0.3 + legend_height
+  fig = figure_class(figsize=(width, height))
   axes = fig.subplots(rows, ncols, squeeze=False)
   for ax in axes.flat[len(names):]:
     ax.set_visible(False)
@@ -130,11 +136,11 @@ def range_histogram(
   labels += [f"{dtype_name}: smallest subnormal", "smallest normal", "largest finite"]
   handles += [Patch(color="tab:red", alpha=0.25), Patch(color="tab:orange", alpha=0.3)]
   labels += ["becomes 0 / overflows", "becomes subnormal"]
-  fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False,
+  fig.legend(handles, labels, loc="lower center", ncol=legend_columns, fontsize=8, frameon=False,
              columnspacing=1.2, handlelength=1.8)
   if title:
     fig.suptitle(title, fontsize=10)
-  fig.tight_layout(rect=(0, 0.45 / (3.2 * rows + 1.0), 1, 1))
+  fig.tight_layout(rect=(0, legend_height / height, 1, 1))
   if path is not None:
     fig.savefig(path, dpi=100)
   return fig
