@@ -58,7 +58,9 @@ def range_histogram(
 
   Raises:
     ImportError: without matplotlib.
-    ValueError: if ``stats_by_run`` is empty.
+    TypeError: if ``stats_by_run`` is not a mapping (a bare ``RangeStats``).
+    ValueError: if ``stats_by_run`` holds no panel, or ``columns`` is not a
+      positive int.
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale, jaxscale.plot
@@ -69,11 +71,20 @@ def range_histogram(
     'log2 |x|;  inputs exactly zero, and inf or NaN, at the ends'
   """
   figure_class = _figure_class()
+  if isinstance(stats_by_run, _range.RangeStats) or not isinstance(stats_by_run, Mapping):
+    raise TypeError(
+        "`stats_by_run` must map run labels to statistics, such as {'label': stats}, got "
+        f"{type(stats_by_run).__name__}."
+    )
   if not stats_by_run:
     raise ValueError("`stats_by_run` must hold at least one run, got an empty mapping.")
+  if not isinstance(columns, int) or columns < 1:
+    raise ValueError(f"`columns` must be a positive int, got {columns!r}.")
   runs = {run: ({"": s} if isinstance(s, _range.RangeStats) else dict(s)) for run, s in stats_by_run.items()}
   runs = {run: {name: jax.device_get(s) for name, s in panels.items()} for run, panels in runs.items()}
   names = list(dict.fromkeys(name for panels in runs.values() for name in panels))
+  if not names:
+    raise ValueError("`stats_by_run` must hold at least one panel; every run's mapping is empty.")
   finfo = jnp.finfo(dtype)
   limits = [math.log2(float(finfo.smallest_subnormal)), math.log2(float(finfo.smallest_normal)),
             math.log2(float(finfo.max))]

@@ -44,3 +44,12 @@ def test_every_legend_entry_lies_inside_the_figure(panels):
     box = text.get_window_extent()
     assert 0 <= box.x0 and box.x1 <= width and 0 <= box.y0 and box.y1 <= height, text.get_text()
 
+
+def test_wrong_arguments_are_explained():
+  stats = jaxscale.range_stats(jnp.ones(2))
+  with pytest.raises(TypeError, match=r"\{'label': stats\}"):
+    jaxscale.plot.range_histogram(stats)
+  with pytest.raises(ValueError, match="`columns`"):
+    jaxscale.plot.range_histogram({"a": stats}, columns=0)
+  with pytest.raises(ValueError, match="panel"):
+    jaxscale.plot.range_histogram({"a": {}})
