@@ -105,6 +105,11 @@ def tap(
   Returns:
     ``x`` itself.
 
+  Raises:
+    TypeError: if ``probes`` is neither None nor a mapping.
+    ValueError: if ``dtype`` is not a narrow floating dtype (see
+      :func:`range_stats`).
+
   Examples:
     >>> import jax, jax.numpy as jnp, jaxscale
     >>> def loss(w, x, taps=None):
@@ -117,6 +122,10 @@ def tap(
     >>> grad_w == jax.grad(loss)(2.0, jnp.ones(4))
     Array(True, dtype=bool, weak_type=True)
   """
-  if probes is None or name not in probes:
+  if probes is None:
+    return x
+  if not isinstance(probes, Mapping):
+    raise TypeError(f"`probes` must be the dict from `tap_probes(names)` (or None), got {type(probes).__name__}.")
+  if name not in probes:
     return x
   return _tap(x, probes[name], _range._check_dtype(dtype))

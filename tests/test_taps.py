@@ -135,3 +135,8 @@ def test_nnx_taps():
   delta = jnp.zeros((64, 32), jnp.float16)
   cotangent = nnx.grad(lambda m, d: scaled_mse(m(x, delta=d)), argnums=1)(model, delta)
   assert_stats(stats["hidden"], cotangent)
+
+
+def test_probes_that_are_not_a_mapping_are_explained():
+  with pytest.raises(TypeError, match="tap_probes"):
+    jaxscale.tap(jnp.ones(2), ["h"], "h")
