@@ -49,6 +49,7 @@ def autocast(fun: F, policy: Union[_policy.Policy, str], *, enabled: bool = True
   Raises:
     ValueError: if ``enabled`` is not a Python bool, or the policy string is
       not understood.
+    TypeError: if ``policy`` is neither a :class:`Policy` nor a string.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxscale
