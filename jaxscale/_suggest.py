@@ -139,7 +139,10 @@ def probe_scale(
   :func:`range_stats` of both there. Run the probe in float32 to see what
   float16 would do at each scale; in float16 it is the real thing (but an
   unscaled float16 pass may already have lost its small gradients, which do
-  not decide the scale).
+  not decide the scale). A 16-bit loss caps the scale further: the scaled
+  loss, and the scale (its cotangent), are held in the loss's own dtype, so
+  ``max(|loss|, 1) * scale * headroom`` must fit there too (return a
+  float32 loss, as ``mixed_float16`` does, to avoid it).
 
   Traceable: call it under ``jax.jit`` (``nnx.jit`` for NNX) to compile it
   once. Eagerly it runs op by op.
@@ -180,15 +183,22 @@ def probe_scale(
   def measure(scale):
     def scaled_loss(params, probes):
       loss = loss_fn(params, *args, **({} if probes is None else {"taps": probes}))
-      return loss * jnp.asarray(scale, loss.dtype)
+      return loss * jnp.asarray(scale, loss.dtype), loss
 
     if probes is None:
-      return grad(scaled_loss)(params, None), {}
-    return grad(scaled_loss, argnums=(0, 1))(params, probes)
+      grads, loss = grad(scaled_loss, has_aux=True)(params, None)
+      return (grads, {}), loss
+    return grad(scaled_loss, argnums=(0, 1), has_aux=True)(params, probes)
 
-  bits = _max_magnitude(measure(1.0))
+  gradients, loss = measure(1.0)
+  bits = _max_magnitude(gradients)
   scale = _scale_for(bits, dtype, headroom_exponent)
-  scaled_grads, scaled_taps = measure(scale)
+  loss_dtype = jnp.dtype(loss.dtype)
+  if jnp.finfo(loss_dtype).bits < 32:
+    # A 16-bit loss is scaled in its own dtype, and the scale is its cotangent: both must fit there.
+    seed = _max_magnitude([jnp.abs(loss).astype(jnp.float32), jnp.float32(1.0)])
+    scale = jnp.minimum(scale, _scale_for(seed, _range._check_dtype(loss_dtype), headroom_exponent))
+  scaled_grads, scaled_taps = measure(scale)[0]
   return ProbeResult(
       scale=scale,
       stats=_range.range_stats(scaled_grads, dtype=dtype),

@@ -113,3 +113,15 @@ def test_headroom_as_a_numpy_or_jax_scalar():
   for bad in (float("inf"), float("nan"), "8", None):
     with pytest.raises(ValueError, match="`headroom`"):
       jaxscale.suggest_scale(g, headroom=bad)
+
+
+def test_probe_scale_with_a_float16_loss_keeps_the_scaled_loss_finite():
+  """A float16 loss is scaled in float16 (`jaxscale.scale` keeps dtypes), and its seed cotangent is the
+  scale itself: both must fit, whatever room the gradients leave."""
+  w, x = jnp.full((4, 3), 0.1, jnp.float16), jnp.ones((8, 4), jnp.float16)
+  loss_fn = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2) * jnp.float16(1e-3)
+  probe = jaxscale.probe_scale(loss_fn, w, x)
+  assert float(probe.scale) == 2.0**15 / 8  # max(|loss|, 1) * s * headroom <= 65504
+  scaler = jaxscale.init(init_scale=float(probe.scale))
+  _, finite = jaxscale.unscale_and_check(scaler, jax.grad(lambda w: jaxscale.scale(scaler, loss_fn(w, x)))(w))
+  assert bool(finite) and float(probe.stats.nonfinite) == 0.0
