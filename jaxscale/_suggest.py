@@ -76,7 +76,8 @@ def suggest_scale(
   gradients or the :class:`RangeStats` that :func:`tap` collected for them
   (each counts with its ``max_magnitude``); :func:`probe_scale` does it all. At the returned scale ``s``,
   ``max |x| * s * headroom <= finfo(dtype).max``, and ``2 * s * headroom``
-  would overflow. The default headroom of 2**3 leaves room for gradients
+  would exceed it (overflow, or within the last half ulp below 65520 for
+  float16, round down onto 65504). The default headroom of 2**3 leaves room for gradients
   8 times larger than the probe's (later batches, the first updates, the
   activation gradients nobody tapped) at the cost of 3 binades at the small
   end; a larger spike is one skipped step per halving, as usual.

@@ -125,3 +125,9 @@ def test_probe_scale_with_a_float16_loss_keeps_the_scaled_loss_finite():
   scaler = jaxscale.init(init_scale=float(probe.scale))
   _, finite = jaxscale.unscale_and_check(scaler, jax.grad(lambda w: jaxscale.scale(scaler, loss_fn(w, x)))(w))
   assert bool(finite) and float(probe.stats.nonfinite) == 0.0
+
+
+def test_at_twice_the_scale_the_largest_exceeds_the_maximum_though_it_may_round_down_onto_it():
+  """The documented bound is `max |x| * s * headroom <= finfo.max`; just above 65504 the cast rounds down."""
+  scale = float(jaxscale.suggest_scale(jnp.array([65505.0]), headroom=1))
+  assert scale == 0.5 and not overflows([65505.0], 2 * scale, np.float16)
