@@ -59,6 +59,8 @@ class RangeStats(NamedTuple):
 def _check_dtype(dtype: Any) -> np.dtype:
   """The target dtype, if a cast to it can be seen to underflow and overflow."""
   try:
+    if dtype is None:  # np.dtype(None) is float64
+      raise TypeError
     dtype = np.dtype(dtype)
     finfo = jnp.finfo(dtype)
   except (TypeError, ValueError):

@@ -145,6 +145,11 @@ def test_float64_leaves_beyond_float32_range_are_underflow_and_overflow_not_zero
   assert float(stats.histogram.sum() + stats.zeros + stats.nonfinite) == float(stats.size)
 
 
+def test_dtype_none_is_refused_as_none():
+  with pytest.raises(ValueError, match="got None"):  # not as float64, which np.dtype(None) is
+    jaxscale.range_stats(jnp.ones(2), dtype=None)
+
+
 def test_scale_must_be_a_scalar():
   with pytest.raises(ValueError, match="`scale`.*shape \\(4,\\)"):
     jaxscale.range_stats(jnp.ones(1), scale=jnp.ones(4))
