@@ -18,6 +18,11 @@ from jaxscale import _range
 _STYLES = ("-", "--", ":", "-.")
 
 
+def _look(run: int) -> tuple[str, str]:
+  """The colour and line style of the ``run``-th run: 20 runs before a pair repeats."""
+  return f"C{run % 10}", _STYLES[run % len(_STYLES)]
+
+
 def _figure_class() -> Any:
   # A bare Figure, not pyplot: no backend to choose, no global registry of open figures.
   try:
@@ -118,8 +123,8 @@ def range_histogram(
       inside = (_range.HISTOGRAM_EXPONENTS >= lo) & (_range.HISTOGRAM_EXPONENTS < hi)
       values = np.asarray(s.histogram)[inside] / count
       edges = np.arange(lo, hi + 1)
-      color, style = f"C{i % 10}", _STYLES[i % len(_STYLES)]
-      ax.stairs(values, edges, color=color, ls=style, lw=1.6, label=run if ax is axes.flat[0] else None)
+      color, style = _look(i)
+      ax.stairs(values, edges, color=color, ls=style, lw=1.6)
       offset = (i - (len(runs) - 1) / 2) * width
       ax.bar([zero_at + offset, nonfinite_at + offset], [float(s.zeros) / count, float(s.nonfinite) / count],
              width=width, color=color, alpha=0.8)
@@ -141,7 +146,9 @@ def range_histogram(
   from matplotlib.lines import Line2D
   from matplotlib.patches import Patch
 
-  handles, labels = axes.flat[0].get_legend_handles_labels()
+  # Every run, whichever panels it is drawn in.
+  handles = [Line2D([], [], color=_look(i)[0], ls=_look(i)[1], lw=1.6) for i in range(len(runs))]
+  labels = list(runs)
   dtype_name = np.dtype(dtype).name
   handles += [Line2D([], [], color="k", ls=style, lw=0.8) for style in (":", "--", "-")]
   labels += [f"{dtype_name}: smallest subnormal", "smallest normal", "largest finite"]

@@ -53,3 +53,9 @@ def test_wrong_arguments_are_explained():
     jaxscale.plot.range_histogram({"a": stats}, columns=0)
   with pytest.raises(ValueError, match="panel"):
     jaxscale.plot.range_histogram({"a": {}})
+
+
+def test_a_run_missing_from_the_first_panel_is_still_in_the_legend():
+  stats = jaxscale.range_stats(jnp.array([1e-6, 0.5]))
+  fig = jaxscale.plot.range_histogram({"run a": {"x": stats}, "run b": {"y": stats}})
+  assert {"run a", "run b"} <= {text.get_text() for text in fig.legends[0].get_texts()}
