@@ -93,7 +93,9 @@ def tap(
   ``vmap`` with the probes closed over): the counts then add up too
   (``size`` becomes a multiple of ``x.size``), but the fractions and
   magnitudes no longer mean anything. Inside a scan, pass the probes stacked
-  along the scanned axis instead, one per iteration.
+  along the scanned axis instead, one per iteration. A tap that is on is a
+  ``jax.custom_vjp``, which JAX refuses to differentiate in forward mode
+  (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``): pass ``probes=None`` there.
 
   Args:
     x: an activation (any floating array).

@@ -140,3 +140,11 @@ def test_nnx_taps():
 def test_probes_that_are_not_a_mapping_are_explained():
   with pytest.raises(TypeError, match="tap_probes"):
     jaxscale.tap(jnp.ones(2), ["h"], "h")
+
+
+def test_forward_mode_needs_the_taps_off():
+  """As the docstring says: with probes a tap is a custom_vjp (no jvp); with None it is the identity."""
+  x = jnp.ones(3)
+  jax.jvp(lambda x: jaxscale.tap(x, None, "h"), (x,), (x,))
+  with pytest.raises(TypeError, match="custom_vjp"):
+    jax.jvp(lambda x: jaxscale.tap(x, jaxscale.tap_probes(["h"]), "h"), (x,), (x,))
