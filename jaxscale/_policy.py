@@ -108,9 +108,11 @@ def _as_dtype(value: Any) -> Any:
 
 
 def is_floating_array(x) -> bool:
-  """Whether ``x`` is an array (or array scalar) of a real floating dtype; keys and float0 are not."""
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+  """Whether ``x`` is an array (or array scalar) of a real floating dtype; keys and float0 are not.
+
+  Arrays only: a Flax Linen module configured with ``dtype=`` has a ``dtype`` too.
+  """
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def get_policy(spec: Union[str, Policy]) -> Policy:

@@ -110,6 +110,16 @@ def test_casts_only_floating_leaves(method, dtype):
       assert after.dtype == before.dtype, path
 
 
+def test_objects_with_a_floating_dtype_attribute_are_not_arrays():
+  """A Linen module configured with `dtype=` (an argument, or the owner of `model.apply`) passes as it is."""
+  import flax.linen as nn
+
+  dense = nn.Dense(3, dtype=jnp.float32)
+  assert jaxscale.get_policy("mixed_float16").cast_to_compute({"m": dense})["m"] is dense
+  variables = dense.init(jax.random.key(0), jnp.ones((2, 4)))
+  assert jaxscale.autocast(dense.apply, "mixed_float16")(variables, jnp.ones((2, 4))).dtype == F32
+
+
 def test_needs_loss_scaling():
   assert jaxscale.needs_loss_scaling("mixed_float16") is True
   assert jaxscale.needs_loss_scaling(jnp.float16) is True
@@ -297,3 +307,4 @@ def test_nnx_state_assigned_inside_autocast_reaches_the_module():
     np.testing.assert_array_equal(got == 0, expected == 0)  # the same dropout masks, step by step
   assert cast.total[...].dtype == F32
   np.testing.assert_array_equal(cast.total[...], plain.total[...])
+
