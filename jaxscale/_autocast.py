@@ -9,8 +9,10 @@ A cast is differentiable and its transpose casts back, so gradients with respect
 float32 inputs arrive in float32. Unlike ``torch.autocast`` there is no global or
 thread-local flag: the region is the function, and a nested ``autocast`` governs its own
 region, since it casts its own inputs (``enabled=False`` is the identity, so its region
-runs in whatever dtype its inputs already have, as torch's does). Only what ``fun``
-receives as arguments is cast: pass parameters as arguments, not through a closure.
+runs in whatever dtype its inputs already have, as torch's does). What ``fun``
+receives as arguments is cast, and ``fun`` itself when it is a pytree (an NNX
+module, or the NNX module whose bound method it is); parameters reached through a
+plain closure are not: pass them as arguments.
 An NNX module is cast like any pytree, into new Variables; what ``fun`` assigns to them
 (RNG counts, batch statistics) is written back to the module's own, in their dtype.
 """
@@ -18,6 +20,7 @@ An NNX module is cast like any pytree, into new Variables; what ``fun`` assigns 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from typing import Callable, TypeVar, Union
 
@@ -49,6 +52,7 @@ def autocast(fun: F, policy: Union[_policy.Policy, str], *, enabled: bool = True
   Raises:
     ValueError: if ``enabled`` is not a Python bool, or the policy string is
       not understood.
+    TypeError: if ``policy`` is neither a :class:`Policy` nor a string.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxscale
@@ -66,11 +70,15 @@ def autocast(fun: F, policy: Union[_policy.Policy, str], *, enabled: bool = True
   if not enabled:
     return fun
 
+  # An NNX module called as `fun`, or whose method `fun` is, holds the parameters itself: as a
+  # pytree (`Partial` for a method) it is cast like the arguments.
+  callee = jax.tree_util.Partial(fun.__func__, fun.__self__) if inspect.ismethod(fun) else fun
+
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    cast_args, cast_kwargs = policy.cast_to_compute((args, kwargs))
-    variables = _nnx_variables((args, kwargs), (cast_args, cast_kwargs))
-    out = fun(*cast_args, **cast_kwargs)
+    cast_callee, cast_args, cast_kwargs = policy.cast_to_compute((callee, args, kwargs))
+    variables = _nnx_variables((callee, args, kwargs), (cast_callee, cast_args, cast_kwargs))
+    out = cast_callee(*cast_args, **cast_kwargs)
     for original, copy, before in variables:
       after = _get(copy)
       if after is not before:  # `fun` assigned it: an RNG count, batch statistics

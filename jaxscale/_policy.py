@@ -64,10 +64,7 @@ class Policy:
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      try:
-        dtype = np.dtype(value)
-      except TypeError:
-        dtype = None
+      dtype = _as_dtype(value)
       if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"`Policy.{field.name}` must be a floating dtype, got {value!r}.")
       object.__setattr__(self, field.name, dtype)  # normalised: jnp.float16 == dtype('float16')
@@ -102,10 +99,20 @@ def cast_floating(tree: T, dtype: Any) -> T:
   return jax.tree.map(lambda x: jnp.asarray(x).astype(dtype) if is_floating_array(x) else x, tree)
 
 
+def _as_dtype(value: Any) -> Any:
+  """``np.dtype(value)``, or None if ``value`` is no dtype (None too: NumPy reads it as float64)."""
+  try:
+    return None if value is None else np.dtype(value)
+  except TypeError:
+    return None
+
+
 def is_floating_array(x) -> bool:
-  """Whether ``x`` is an array (or array scalar) of a real floating dtype; keys and float0 are not."""
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+  """Whether ``x`` is an array (or array scalar) of a real floating dtype; keys and float0 are not.
+
+  Arrays only: a Flax Linen module configured with ``dtype=`` has a ``dtype`` too.
+  """
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def get_policy(spec: Union[str, Policy]) -> Policy:
@@ -208,11 +215,10 @@ def needs_loss_scaling(policy_or_dtype: Union[Policy, str, jax.typing.DTypeLike]
   if isinstance(policy_or_dtype, (Policy, str)):
     dtype = get_policy(policy_or_dtype).compute_dtype
   else:
-    try:
-      dtype = np.dtype(policy_or_dtype)
-    except TypeError as e:
+    dtype = _as_dtype(policy_or_dtype)
+    if dtype is None:
       raise TypeError(
           "`needs_loss_scaling` takes a `jaxscale.Policy`, a policy string or a dtype, "
           f"got {policy_or_dtype!r}."
-      ) from e
+      )
   return dtype == np.dtype(jnp.float16)

@@ -37,14 +37,19 @@ def _max_magnitude(tree: Any) -> jax.Array:
     if isinstance(x, _range.RangeStats):
       maxima.append(jax.lax.bitcast_convert_type(x.max_magnitude, jnp.int32))
     elif _range._is_floating(x):
-      x = jnp.asarray(x).astype(jnp.float32)
-      bits = _range._magnitude_bits(x).astype(jnp.int32)
+      x = jnp.asarray(x)
+      # Finite in its own dtype: a float64 1e300 must shrink the scale, though float32 holds it as inf.
+      bits = _range._magnitude_bits(x.astype(jnp.float32)).astype(jnp.int32)
       maxima.append(jnp.max(jnp.where(jnp.isfinite(x), bits, 0), initial=0))
   return jnp.max(jnp.stack(maxima))
 
 
 def _check_headroom(headroom: float) -> int:
-  exponent = np.log2(headroom) if isinstance(headroom, (int, float)) and headroom >= 1 else 0.5
+  try:  # a Python, NumPy or concrete JAX number; not a string, a bool or a tracer
+    value = float(headroom) if np.issubdtype(np.asarray(headroom).dtype, np.number) else 0.0
+  except TypeError:
+    value = 0.0
+  exponent = np.log2(value) if 1 <= value < np.inf else 0.5
   if exponent != int(exponent):
     raise ValueError(f"`headroom` must be a power of two >= 1 (such as 8.0), got {headroom!r}.")
   return int(exponent)
@@ -57,6 +62,7 @@ def _scale_for(bits: jax.Array, dtype: np.dtype, headroom: int) -> jax.Array:
   # when m's mantissa is the larger. Float32 subnormal maxima count as 2**-127: the clip decides.
   exponent = jnp.maximum(bits >> 23, 0) - 127
   k = (top >> 23) - 127 - exponent - ((bits & 0x7FFFFF) > (top & 0x7FFFFF)).astype(jnp.int32) - headroom
+  k = jnp.where(bits >= 0x7F800000, -126, k)  # beyond float32's range (a float64 leaf): the smallest
   scale = jax.lax.bitcast_convert_type((jnp.clip(k, -126, 127) + 127) << 23, jnp.float32)
   return jnp.where(bits > 0, scale, jnp.float32(_FALLBACK_SCALE))
 
@@ -70,7 +76,8 @@ def suggest_scale(
   gradients or the :class:`RangeStats` that :func:`tap` collected for them
   (each counts with its ``max_magnitude``); :func:`probe_scale` does it all. At the returned scale ``s``,
   ``max |x| * s * headroom <= finfo(dtype).max``, and ``2 * s * headroom``
-  would overflow. The default headroom of 2**3 leaves room for gradients
+  would exceed it (overflow, or within the last half ulp below 65520 for
+  float16, round down onto 65504). The default headroom of 2**3 leaves room for gradients
   8 times larger than the probe's (later batches, the first updates, the
   activation gradients nobody tapped) at the cost of 3 binades at the small
   end; a larger spike is one skipped step per halving, as usual.
@@ -133,7 +140,10 @@ def probe_scale(
   :func:`range_stats` of both there. Run the probe in float32 to see what
   float16 would do at each scale; in float16 it is the real thing (but an
   unscaled float16 pass may already have lost its small gradients, which do
-  not decide the scale).
+  not decide the scale). A 16-bit loss caps the scale further: the scaled
+  loss, and the scale (its cotangent), are held in the loss's own dtype, so
+  ``max(|loss|, 1) * scale * headroom`` must fit there too (return a
+  float32 loss, as ``mixed_float16`` does, to avoid it).
 
   Traceable: call it under ``jax.jit`` (``nnx.jit`` for NNX) to compile it
   once. Eagerly it runs op by op.
@@ -174,15 +184,22 @@ def probe_scale(
   def measure(scale):
     def scaled_loss(params, probes):
       loss = loss_fn(params, *args, **({} if probes is None else {"taps": probes}))
-      return loss * jnp.asarray(scale, loss.dtype)
+      return loss * jnp.asarray(scale, loss.dtype), loss
 
     if probes is None:
-      return grad(scaled_loss)(params, None), {}
-    return grad(scaled_loss, argnums=(0, 1))(params, probes)
+      grads, loss = grad(scaled_loss, has_aux=True)(params, None)
+      return (grads, {}), loss
+    return grad(scaled_loss, argnums=(0, 1), has_aux=True)(params, probes)
 
-  bits = _max_magnitude(measure(1.0))
+  gradients, loss = measure(1.0)
+  bits = _max_magnitude(gradients)
   scale = _scale_for(bits, dtype, headroom_exponent)
-  scaled_grads, scaled_taps = measure(scale)
+  loss_dtype = jnp.dtype(loss.dtype)
+  if jnp.finfo(loss_dtype).bits < 32:
+    # A 16-bit loss is scaled in its own dtype, and the scale is its cotangent: both must fit there.
+    seed = _max_magnitude([jnp.abs(loss).astype(jnp.float32), jnp.float32(1.0)])
+    scale = jnp.minimum(scale, _scale_for(seed, _range._check_dtype(loss_dtype), headroom_exponent))
+  scaled_grads, scaled_taps = measure(scale)[0]
   return ProbeResult(
       scale=scale,
       stats=_range.range_stats(scaled_grads, dtype=dtype),

@@ -93,7 +93,9 @@ def tap(
   ``vmap`` with the probes closed over): the counts then add up too
   (``size`` becomes a multiple of ``x.size``), but the fractions and
   magnitudes no longer mean anything. Inside a scan, pass the probes stacked
-  along the scanned axis instead, one per iteration.
+  along the scanned axis instead, one per iteration. A tap that is on is a
+  ``jax.custom_vjp``, which JAX refuses to differentiate in forward mode
+  (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``): pass ``probes=None`` there.
 
   Args:
     x: an activation (any floating array).
@@ -104,6 +106,11 @@ def tap(
 
   Returns:
     ``x`` itself.
+
+  Raises:
+    TypeError: if ``probes`` is neither None nor a mapping.
+    ValueError: if ``dtype`` is not a narrow floating dtype (see
+      :func:`range_stats`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxscale
@@ -117,6 +124,10 @@ def tap(
     >>> grad_w == jax.grad(loss)(2.0, jnp.ones(4))
     Array(True, dtype=bool, weak_type=True)
   """
-  if probes is None or name not in probes:
+  if probes is None:
+    return x
+  if not isinstance(probes, Mapping):
+    raise TypeError(f"`probes` must be the dict from `tap_probes(names)` (or None), got {type(probes).__name__}.")
+  if name not in probes:
     return x
   return _tap(x, probes[name], _range._check_dtype(dtype))

@@ -18,6 +18,11 @@ from jaxscale import _range
 _STYLES = ("-", "--", ":", "-.")
 
 
+def _look(run: int) -> tuple[str, str]:
+  """The colour and line style of the ``run``-th run: 20 runs before a pair repeats."""
+  return f"C{run % 10}", _STYLES[run % len(_STYLES)]
+
+
 def _figure_class() -> Any:
   # A bare Figure, not pyplot: no backend to choose, no global registry of open figures.
   try:
@@ -58,7 +63,9 @@ def range_histogram(
 
   Raises:
     ImportError: without matplotlib.
-    ValueError: if ``stats_by_run`` is empty.
+    TypeError: if ``stats_by_run`` is not a mapping (a bare ``RangeStats``).
+    ValueError: if ``stats_by_run`` holds no panel, or ``columns`` is not a
+      positive int.
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale, jaxscale.plot
@@ -69,11 +76,20 @@ def range_histogram(
     'log2 |x|;  inputs exactly zero, and inf or NaN, at the ends'
   """
   figure_class = _figure_class()
+  if isinstance(stats_by_run, _range.RangeStats) or not isinstance(stats_by_run, Mapping):
+    raise TypeError(
+        "`stats_by_run` must map run labels to statistics, such as {'label': stats}, got "
+        f"{type(stats_by_run).__name__}."
+    )
   if not stats_by_run:
     raise ValueError("`stats_by_run` must hold at least one run, got an empty mapping.")
+  if not isinstance(columns, int) or columns < 1:
+    raise ValueError(f"`columns` must be a positive int, got {columns!r}.")
   runs = {run: ({"": s} if isinstance(s, _range.RangeStats) else dict(s)) for run, s in stats_by_run.items()}
   runs = {run: {name: jax.device_get(s) for name, s in panels.items()} for run, panels in runs.items()}
   names = list(dict.fromkeys(name for panels in runs.values() for name in panels))
+  if not names:
+    raise ValueError("`stats_by_run` must hold at least one panel; every run's mapping is empty.")
   finfo = jnp.finfo(dtype)
   limits = [math.log2(float(finfo.smallest_subnormal)), math.log2(float(finfo.smallest_normal)),
             math.log2(float(finfo.max))]
@@ -84,7 +100,13 @@ def range_histogram(
 
   rows = math.ceil(len(names) / columns)
   ncols = min(columns, len(names))
-  fig = figure_class(figsize=(4.6 * ncols, 3.2 * rows + 0.6))
+  width = 4.6 * ncols
+  # The legend (the runs, three limits, two regions) wraps to the figure's width, in rows below the panels.
+  entries = len(runs) + 5
+  legend_columns = max(1, min(entries, int(width // 2.2)))
+  legend_height = 0.1 + 0.2 * math.ceil(entries / legend_columns)
+  height = 3.2 * rows + 0.3 + legend_height
+  fig = figure_class(figsize=(width, height))
   axes = fig.subplots(rows, ncols, squeeze=False)
   for ax in axes.flat[len(names):]:
     ax.set_visible(False)
@@ -101,8 +123,8 @@ def range_histogram(
       inside = (_range.HISTOGRAM_EXPONENTS >= lo) & (_range.HISTOGRAM_EXPONENTS < hi)
       values = np.asarray(s.histogram)[inside] / count
       edges = np.arange(lo, hi + 1)
-      color, style = f"C{i % 10}", _STYLES[i % len(_STYLES)]
-      ax.stairs(values, edges, color=color, ls=style, lw=1.6, label=run if ax is axes.flat[0] else None)
+      color, style = _look(i)
+      ax.stairs(values, edges, color=color, ls=style, lw=1.6)
       offset = (i - (len(runs) - 1) / 2) * width
       ax.bar([zero_at + offset, nonfinite_at + offset], [float(s.zeros) / count, float(s.nonfinite) / count],
              width=width, color=color, alpha=0.8)
@@ -124,17 +146,19 @@ def range_histogram(
   from matplotlib.lines import Line2D
   from matplotlib.patches import Patch
 
-  handles, labels = axes.flat[0].get_legend_handles_labels()
+  # Every run, whichever panels it is drawn in.
+  handles = [Line2D([], [], color=_look(i)[0], ls=_look(i)[1], lw=1.6) for i in range(len(runs))]
+  labels = list(runs)
   dtype_name = np.dtype(dtype).name
   handles += [Line2D([], [], color="k", ls=style, lw=0.8) for style in (":", "--", "-")]
   labels += [f"{dtype_name}: smallest subnormal", "smallest normal", "largest finite"]
   handles += [Patch(color="tab:red", alpha=0.25), Patch(color="tab:orange", alpha=0.3)]
   labels += ["becomes 0 / overflows", "becomes subnormal"]
-  fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False,
+  fig.legend(handles, labels, loc="lower center", ncol=legend_columns, fontsize=8, frameon=False,
              columnspacing=1.2, handlelength=1.8)
   if title:
     fig.suptitle(title, fontsize=10)
-  fig.tight_layout(rect=(0, 0.45 / (3.2 * rows + 1.0), 1, 1))
+  fig.tight_layout(rect=(0, legend_height / height, 1, 1))
   if path is not None:
     fig.savefig(path, dpi=100)
   return fig

@@ -59,6 +59,8 @@ def test_bad_types():
     jaxscale.get_policy(16)
   with pytest.raises(ValueError, match="compute_dtype.*int32"):
     jaxscale.Policy(jnp.float32, jnp.int32, jnp.float32)
+  with pytest.raises(ValueError, match="param_dtype.*None"):  # np.dtype(None) is float64
+    jaxscale.Policy(None, jnp.float16, jnp.float32)
 
 
 def test_policy_is_hashable_static_arg():
@@ -108,14 +110,25 @@ def test_casts_only_floating_leaves(method, dtype):
       assert after.dtype == before.dtype, path
 
 
+def test_objects_with_a_floating_dtype_attribute_are_not_arrays():
+  """A Linen module configured with `dtype=` (an argument, or the owner of `model.apply`) passes as it is."""
+  import flax.linen as nn
+
+  dense = nn.Dense(3, dtype=jnp.float32)
+  assert jaxscale.get_policy("mixed_float16").cast_to_compute({"m": dense})["m"] is dense
+  variables = dense.init(jax.random.key(0), jnp.ones((2, 4)))
+  assert jaxscale.autocast(dense.apply, "mixed_float16")(variables, jnp.ones((2, 4))).dtype == F32
+
+
 def test_needs_loss_scaling():
   assert jaxscale.needs_loss_scaling("mixed_float16") is True
   assert jaxscale.needs_loss_scaling(jnp.float16) is True
   assert jaxscale.needs_loss_scaling(jaxscale.get_policy("p=f16,c=f16")) is True
   for off in ("mixed_bfloat16", "float32", jnp.bfloat16, "float32", np.dtype("float32")):
     assert jaxscale.needs_loss_scaling(off) is False
-  with pytest.raises(TypeError, match="needs_loss_scaling"):
-    jaxscale.needs_loss_scaling(object())
+  for bad in (object(), None):  # np.dtype(None) is float64
+    with pytest.raises(TypeError, match="needs_loss_scaling"):
+      jaxscale.needs_loss_scaling(bad)
 
 
 @pytest.mark.parametrize("spec", ["mixed_float16", "mixed_bfloat16", "float32"])
@@ -294,3 +307,30 @@ def test_nnx_state_assigned_inside_autocast_reaches_the_module():
     np.testing.assert_array_equal(got == 0, expected == 0)  # the same dropout masks, step by step
   assert cast.total[...].dtype == F32
   np.testing.assert_array_equal(cast.total[...], plain.total[...])
+
+
+def test_autocast_of_an_nnx_module_or_its_method_casts_the_module():
+  """`autocast(model, policy)(x)`: the parameters live in `fun` itself, not in its arguments.
+  Uncast, NNX promotes the float16 input back to float32 and nothing runs in float16."""
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear, self.drop = nnx.Linear(4, 3, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(self.linear(x))
+
+    def logits(self, x):
+      return self.linear(x)
+
+  x = jnp.ones((2, 4))
+  for make in (lambda m: m.linear, lambda m: m.logits):
+    model = Net(nnx.Rngs(0))
+    run = jaxscale.autocast(make(model), "mixed_float16")
+    dots = [e for e in jax.make_jaxpr(run)(x).jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [e.outvars[0].aval.dtype for e in dots] == [F16]
+    assert run(x).dtype == F32 and model.linear.kernel[...].dtype == F32
+  plain, cast = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+  for _ in range(2):  # the dropout RNG count inside the module advances as without autocast
+    np.testing.assert_array_equal(jaxscale.autocast(cast, "mixed_float16")(x) == 0, plain(x) == 0)

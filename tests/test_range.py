@@ -134,3 +134,33 @@ def test_under_lax_cond_every_n_steps():
     np.testing.assert_array_equal(a, b)
   assert float(step(grads, 3).overflow_fraction) == 0.0 and float(direct.overflow_fraction) == 0.25
   assert step._cache_size() == 1
+
+
+def test_float64_leaves_beyond_float32_range_are_underflow_and_overflow_not_zeros_or_nonfinite():
+  """With x64 on, 1e300 overflows float16 (it is no inf input) and 1e-300 underflows (it is no exact 0)."""
+  with jax.enable_x64(True):
+    stats = jaxscale.range_stats(jnp.array([1e300, -1e-300, 1.0, 0.0, np.inf], jnp.float64))
+  assert [float(stats.overflow_fraction * 5), float(stats.zero_fraction * 5)] == [1.0, 1.0]
+  assert [float(stats.zeros), float(stats.nonfinite)] == [1.0, 1.0]
+  assert float(stats.histogram.sum() + stats.zeros + stats.nonfinite) == float(stats.size)
+
+
+def test_dtype_none_is_refused_as_none():
+  with pytest.raises(ValueError, match="got None"):  # not as float64, which np.dtype(None) is
+    jaxscale.range_stats(jnp.ones(2), dtype=None)
+
+
+def test_scale_must_be_a_scalar():
+  with pytest.raises(ValueError, match="`scale`.*shape \\(4,\\)"):
+    jaxscale.range_stats(jnp.ones(1), scale=jnp.ones(4))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's buffers; GPUs fuse differently")
+def test_few_leaf_sized_temporaries():
+  """The counts come from one scatter, not one integer reduction each: XLA:CPU writes every
+  integer reduction's operand out (its tree-reduction rewrite), nine leaf-sized arrays before."""
+  from jaxscale import _range
+
+  leaf = jax.ShapeDtypeStruct((2**20,), jnp.float32)
+  compiled = _range._range_stats.lower({"g": leaf}, jnp.float32(1.0), np.dtype(jnp.float16)).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes <= 5 * leaf.size * 4

@@ -99,3 +99,35 @@ def test_probe_scale_with_nnx_under_nnx_jit():
   grads, taps = nnx.grad(loss_fn, argnums=(0, 2))(model, x, jaxscale.tap_probes(["hidden"]))
   assert float(probe.scale) == float(jaxscale.suggest_scale((grads, taps)))
   assert sorted(probe.taps) == ["hidden"]
+
+
+def test_float64_gradients_beyond_float32_range_still_set_the_scale():
+  with jax.enable_x64(True):
+    assert float(jaxscale.suggest_scale(jnp.array([1e300, 1.0], jnp.float64))) == 2.0**-126
+
+
+def test_headroom_as_a_numpy_or_jax_scalar():
+  g = jnp.array([3.0])
+  for headroom in (np.float32(8.0), jnp.float32(8.0), np.int64(8)):
+    assert float(jaxscale.suggest_scale(g, headroom=headroom)) == 2.0**11
+  for bad in (float("inf"), float("nan"), "8", None):
+    with pytest.raises(ValueError, match="`headroom`"):
+      jaxscale.suggest_scale(g, headroom=bad)
+
+
+def test_probe_scale_with_a_float16_loss_keeps_the_scaled_loss_finite():
+  """A float16 loss is scaled in float16 (`jaxscale.scale` keeps dtypes), and its seed cotangent is the
+  scale itself: both must fit, whatever room the gradients leave."""
+  w, x = jnp.full((4, 3), 0.1, jnp.float16), jnp.ones((8, 4), jnp.float16)
+  loss_fn = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2) * jnp.float16(1e-3)
+  probe = jaxscale.probe_scale(loss_fn, w, x)
+  assert float(probe.scale) == 2.0**15 / 8  # max(|loss|, 1) * s * headroom <= 65504
+  scaler = jaxscale.init(init_scale=float(probe.scale))
+  _, finite = jaxscale.unscale_and_check(scaler, jax.grad(lambda w: jaxscale.scale(scaler, loss_fn(w, x)))(w))
+  assert bool(finite) and float(probe.stats.nonfinite) == 0.0
+
+
+def test_at_twice_the_scale_the_largest_exceeds_the_maximum_though_it_may_round_down_onto_it():
+  """The documented bound is `max |x| * s * headroom <= finfo.max`; just above 65504 the cast rounds down."""
+  scale = float(jaxscale.suggest_scale(jnp.array([65505.0]), headroom=1))
+  assert scale == 0.5 and not overflows([65505.0], 2 * scale, np.float16)

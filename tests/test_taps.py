@@ -135,3 +135,16 @@ def test_nnx_taps():
   delta = jnp.zeros((64, 32), jnp.float16)
   cotangent = nnx.grad(lambda m, d: scaled_mse(m(x, delta=d)), argnums=1)(model, delta)
   assert_stats(stats["hidden"], cotangent)
+
+
+def test_probes_that_are_not_a_mapping_are_explained():
+  with pytest.raises(TypeError, match="tap_probes"):
+    jaxscale.tap(jnp.ones(2), ["h"], "h")
+
+
+def test_forward_mode_needs_the_taps_off():
+  """As the docstring says: with probes a tap is a custom_vjp (no jvp); with None it is the identity."""
+  x = jnp.ones(3)
+  jax.jvp(lambda x: jaxscale.tap(x, None, "h"), (x,), (x,))
+  with pytest.raises(TypeError, match="custom_vjp"):
+    jax.jvp(lambda x: jaxscale.tap(x, jaxscale.tap_probes(["h"]), "h"), (x,), (x,))
