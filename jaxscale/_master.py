@@ -27,7 +27,15 @@ from jaxscale import _policy
 
 
 class MasterWeightsState(NamedTuple):
-  """State of :func:`master_weights`."""
+  """State of :func:`master_weights`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxscale
+    >>> params = {"w": jnp.ones(2, jnp.float16), "b": jnp.zeros(1)}
+    >>> state = jaxscale.master_weights(optax.sgd(0.1)).init(params)
+    >>> state.master["w"].dtype, state.master["b"]  # float32 params need no copy
+    (dtype('float32'), MaskedNode())
+  """
 
   master: Any  # like params: a float32 copy of each 16-bit leaf, `optax.MaskedNode()` elsewhere
   inner_state: optax.OptState

@@ -42,6 +42,16 @@ class RangeStats(NamedTuple):
   Fractions are over all ``size`` elements of the floating leaves, so
   ``zero_fraction + subnormal_fraction + overflow_fraction`` plus the normal
   values, the exact zeros and the non-finite inputs make up the whole.
+  Bin ``i`` of ``histogram`` counts ``|x * scale|`` in ``[2**e, 2**(e + 1))``
+  for ``e = HISTOGRAM_EXPONENTS[i]``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxscale
+    >>> stats = jaxscale.range_stats({"g": jnp.array([1e-9, 3e-6, 1.0])})
+    >>> print(f"{stats.zero_fraction:.3f} {stats.subnormal_fraction:.3f}")
+    0.333 0.333
+    >>> jaxscale.HISTOGRAM_EXPONENTS[stats.histogram > 0]
+    array([-30, -19,   0])
   """
 
   zero_fraction: jax.Array  # shape=(), float32; nonzero finite values that become 0

@@ -114,7 +114,14 @@ def suggest_scale(
 
 
 class ProbeResult(NamedTuple):
-  """What :func:`probe_scale` found; all arrays."""
+  """What :func:`probe_scale` found; all arrays.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxscale
+    >>> probe = jaxscale.probe_scale(lambda w: jnp.sum(w * 1e-3), jnp.ones(4))
+    >>> float(probe.scale), float(probe.max_magnitude), float(probe.stats.zero_fraction)  # 2**25 * 1e-3 < 65504, over 8
+    (4194304.0, 0.0010000000474974513, 0.0)
+  """
 
   scale: jax.Array  # shape=(), float32; the suggested start scale
   stats: _range.RangeStats  # the parameter gradients at `scale`, cast to the dtype
