@@ -131,6 +131,7 @@ def add_flags(
   parser.add_argument(
       "--precision",
       action="append",
+      type=precision_spec,
       metavar="SPEC",
       help="instead of --runs, one run in this precision policy; repeat the flag to compare several in one "
       "table. A preset (float32, mixed_float16, mixed_bfloat16), a jmp-style string "
@@ -162,6 +163,16 @@ def selected_runs(args: argparse.Namespace) -> list[RunConfig]:
   return [RUNS[int(i)] for i in args.runs.split(",")]
 
 
+def precision_spec(spec: str) -> str:
+  """``spec`` if it names a policy (or is ``auto``); otherwise argparse's error, with get_policy's reason."""
+  if spec != "auto":
+    try:
+      jaxscale.get_policy(spec)
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(f"{e} Or auto, for jaxscale.recommended_policy().") from None
+  return spec
+
+
 def precision_run(spec: str) -> RunConfig:
   """The run for ``--precision SPEC``: the policy decides the dtypes, whether to scale the loss, and master weights."""
   if spec == "auto":
@@ -176,9 +187,7 @@ def precision_run(spec: str) -> RunConfig:
 
 
 def describe_run(config: RunConfig) -> str:
-  """One line: what a run computes in, and with which of jaxscale's pieces."""
-  if config.policy is None:
-    return f"{config.name}: Flax dtype={jnp.dtype(config.dtype).name}, float32 parameters, loss scaling {config.scaling}"
+  """One line for a --precision run: its policy, and which of jaxscale's pieces it goes through."""
   master = ", float32 master weights (jaxscale.master_weights)" if config.master_weights else ""
   return f"{config.name}: {config.policy} through jaxscale.autocast, loss scaling {config.scaling}{master}"
 

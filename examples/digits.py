@@ -5,7 +5,7 @@ Three runs of the same model, seed and data order: float32; float16 compute
 
     python examples/digits.py                      # the plain loss: float16 alone trains too; seconds per run
     python examples/digits.py --loss-weight 1e-5   # gradients 1e5 times smaller: float16 alone diverges, jaxscale recovers
-    python examples/digits.py --precision float32 --precision mixed_float16 --precision p=f16,c=f16,o=f32  # through jaxscale.autocast
+    python examples/digits.py --precision float32 --precision p=f16,c=f16,o=f32  # autocast, float16 parameters
 
 The Linen recipe is in `make_train_step`; see also `jaxscale.flax`.
 """

@@ -19,10 +19,10 @@ alone loses to float32, and jaxscale's scale recovers it.
 `--precision` replaces the three runs with runs in the policies you choose, through jaxscale's
 mixed-precision pieces (`get_policy`, `autocast`, `needs_loss_scaling`, `master_weights`):
 
-    python examples/lm.py --precision auto                                   # what jaxscale recommends for this device
-    python examples/lm.py --precision float32 --precision mixed_bfloat16     # several policies, one table
-    python examples/lm.py --precision params=float16,compute=float16,output=float32  # float16 parameters, float32 master weights
-    python examples/lm.py --precision mixed_float16 --tensorboard runs/lm    # log the loss and jaxscale.metrics
+    python examples/lm.py --precision auto                                # what jaxscale recommends for this device
+    python examples/lm.py --precision float32 --precision mixed_bfloat16  # several policies, one table
+    python examples/lm.py --precision params=float16,compute=float16,output=float32  # float32 master weights
+    python examples/lm.py --precision mixed_float16 --tensorboard runs/lm # log the loss and jaxscale.metrics
 
 The NNX recipe is in `make_train_step`; see also `jaxscale.flax`.
 """
