@@ -392,7 +392,7 @@ def plot_runs(results: list[Result], path: str, *, title: str, smooth: int = 20)
     if r.scale.max() != 1.0 or r.skipped.any():  # only the scaled runs have a scale to show
       bottom.plot(steps, r.scale, **style, label=f"{r.name}: loss scale")
       bottom.plot(steps[r.skipped], r.scale[r.skipped], "x", color="C3", ms=6, zorder=5,
-                  label=f"skipped steps: {int(r.skipped.sum())}")
+                  label=f"{r.name}: skipped steps: {int(r.skipped.sum())}")
   top.set_yscale("log")  # float16 without scaling can diverge by orders of magnitude
   # Plain numbers on the log axis, as many per decade as fit, so that every curve's level can be read off.
   low, high = top.get_ylim()

@@ -8,7 +8,6 @@ import math
 import pathlib
 import re
 import shlex
-import struct
 import sys
 
 import jax
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_tensorboard_example import read_scalars
 
 import jaxscale
 
@@ -132,25 +132,10 @@ def test_lm_float16_parameters_train_through_float32_master_weights():
   assert result.final_metrics == expected and expected["scale"] == 2.0**16
 
 
-def read_events(folder):
-  """``{tag: [(step, value), ...]}`` from the tensorboardX event file in ``folder`` (TFRecord framing)."""
-  from tensorboardX.proto import event_pb2
-
-  (path,) = pathlib.Path(folder).glob("events.out.tfevents.*")
-  data, scalars, at = path.read_bytes(), {}, 0
-  while at < len(data):
-    (length,) = struct.unpack("<Q", data[at : at + 8])
-    event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
-    at += 12 + length + 4  # length, its crc, the record, its crc
-    for value in event.summary.value:
-      scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-  return scalars
-
-
 def test_lm_tensorboard_logs_the_loss_and_the_scaler_every_n_steps(tmp_path):
   argv = ["--no-plot", "--precision", "mixed_float16", "--tensorboard", str(tmp_path), "--log-every", "4"]
   (result,) = run_example("lm", LM_TINY + argv)
-  scalars = read_events(tmp_path / "mixed_float16")
+  scalars = read_scalars(str(tmp_path / "mixed_float16"))
   assert set(scalars) == {"loss", "heldout/loss", *(f"scaler/{k}" for k in result.final_metrics)}
   assert [step for step, _ in scalars["loss"]] == [4, 6]  # every 4 steps, and the last
   assert [v for _, v in scalars["loss"]] == pytest.approx(result.loss[[3, 5]], rel=1e-6)
