@@ -106,7 +106,7 @@ class Block(nnx.Module):
 
 
 class TransformerLM(nnx.Module):
-  """Bytes in, next-byte logits out; computes in ``dtype`` with float32 parameters.
+  """Bytes in, next-byte logits out; computes in ``dtype`` with float32 parameters (`build` casts them).
 
   ``layer_dtypes=False`` builds the layers without Flax's ``dtype=`` arguments:
   they compute in the dtype of what reaches them, which `jaxscale.autocast`
