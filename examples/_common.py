@@ -10,6 +10,16 @@ same data order, and changes only the precision:
 All three use one optimizer, ``jaxscale.dynamic_loss_scaling(inner,
 enabled=...)``: disabled, it is exactly ``inner``, so the three runs differ in
 nothing but the dtype and the scaler, and one jitted step serves them all.
+
+``--precision SPEC`` (repeatable) replaces them with runs of the user's
+choosing, through jaxscale's mixed-precision pieces: ``jaxscale.get_policy``,
+the model built without ``dtype=`` arguments and run through
+``jaxscale.autocast``, loss scaling where ``jaxscale.needs_loss_scaling``, and
+``jaxscale.master_weights`` for 16-bit parameters.
+
+Every training step returns ``jaxscale.metrics(opt_state)``, device arrays; the
+loop reads them on the host, and with ``--tensorboard`` writes them every
+``--log-every`` steps.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import time
 from typing import Any, Callable, Iterable, NamedTuple
 
@@ -25,6 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
+
+import jaxscale
+import tensorboard_logging  # a sibling in examples/ (on the path): how the examples write to TensorBoard
 
 # float16's limits: the smallest subnormal, the smallest normal, the largest finite.
 FP16_SUBNORMAL = 2.0**-24
@@ -34,8 +48,17 @@ FP16_MAX = float(jnp.finfo(jnp.float16).max)
 
 class RunConfig(NamedTuple):
   name: str
-  dtype: Any  # the compute dtype; parameters are always float32
+  dtype: Any  # the compute dtype
   scaling: bool  # whether jaxscale scales the loss
+  # None: float32 parameters, and the model computes in `dtype` through Flax's `dtype=` arguments.
+  # A policy (--precision): no `dtype=` arguments, `jaxscale.autocast` runs the model in its compute dtype,
+  # and the parameters are stored in its param dtype (16-bit ones through `jaxscale.master_weights`).
+  policy: jaxscale.Policy | None = None
+
+  @property
+  def master_weights(self) -> bool:
+    """Whether the parameters are 16-bit, so that the optimizer needs a float32 master copy."""
+    return self.policy is not None and jnp.finfo(self.policy.param_dtype).bits < 32
 
 
 RUNS = (
@@ -51,12 +74,14 @@ class Result:
 
   name: str
   loss: np.ndarray  # shape=(steps,): the training loss of each step (unweighted)
-  scale: np.ndarray  # shape=(steps,): the loss scale each step used
+  scale: np.ndarray  # shape=(steps,): the loss scale after each step (jaxscale.metrics)
   skipped: np.ndarray  # shape=(steps,), bool: the steps the scaler skipped
   eval_steps: list[int]
   eval_metrics: list[dict[str, float]]  # one dict per evaluation, e.g. {"loss": ..}
   step_seconds: np.ndarray  # shape=(steps,): each training step's time, waited for; step 1 compiles
-  final_scale: float
+  final_scale: float  # the loss scale after the last step
+  final_metrics: dict[str, float]  # jaxscale.metrics after the last step, read on the host
+  scaling: bool = False  # whether jaxscale scaled the loss
 
   @property
   def ms_per_step(self) -> float:
@@ -103,6 +128,23 @@ def add_flags(
       default=",".join(str(i) for i in range(len(RUNS))),
       help="which runs, as indices into: " + ", ".join(f"{i}={r.name}" for i, r in enumerate(RUNS)),
   )
+  parser.add_argument(
+      "--precision",
+      action="append",
+      type=precision_spec,
+      metavar="SPEC",
+      help="instead of --runs, one run in this precision policy; repeat the flag to compare several in one "
+      "table. A preset (float32, mixed_float16, mixed_bfloat16), a jmp-style string "
+      "(params=float32,compute=float16,output=float32, short p=f32,c=f16,o=f32; params=float16 stores the "
+      "parameters in float16, with float32 master weights in the optimizer), or auto "
+      "(jaxscale.recommended_policy() for this device). The model runs through jaxscale.autocast, and the "
+      "loss is scaled where the compute dtype is float16",
+  )
+  parser.add_argument(
+      "--tensorboard", metavar="DIR", help="write the loss and jaxscale.metrics to TensorBoard event files in "
+      "DIR, one subfolder per run (needs tensorboardX: pip install 'jaxscale[tensorboard]')",
+  )
+  parser.add_argument("--log-every", type=int, default=25, help="with --tensorboard: log every N steps")
   parser.add_argument("--out", default=out, help="where to write the figure of the runs")
   parser.add_argument("--no-plot", action="store_true", help="write no figure")
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -116,7 +158,38 @@ def regime(loss_weight: float) -> str:
 
 
 def selected_runs(args: argparse.Namespace) -> list[RunConfig]:
+  if args.precision:
+    return [precision_run(spec) for spec in args.precision]
   return [RUNS[int(i)] for i in args.runs.split(",")]
+
+
+def precision_spec(spec: str) -> str:
+  """``spec`` if it names a policy (or is ``auto``); otherwise argparse's error, with get_policy's reason."""
+  if spec != "auto":
+    try:
+      jaxscale.get_policy(spec)
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(f"{e} Or auto, for jaxscale.recommended_policy().") from None
+  return spec
+
+
+def precision_run(spec: str) -> RunConfig:
+  """The run for ``--precision SPEC``: the policy decides the dtypes, whether to scale the loss, and master weights."""
+  if spec == "auto":
+    policy = jaxscale.recommended_policy()
+    presets = {str(jaxscale.get_policy(p)): p for p in ("float32", "mixed_float16", "mixed_bfloat16")}
+    name = f"auto = {presets.get(str(policy), policy)}"
+  else:
+    policy = jaxscale.get_policy(spec)
+    # However float32 was spelt, it is the reference the summary compares with.
+    name = RUNS[0].name if policy == jaxscale.get_policy("float32") else spec
+  return RunConfig(name, policy.compute_dtype, jaxscale.needs_loss_scaling(policy), policy)
+
+
+def describe_run(config: RunConfig) -> str:
+  """One line for a --precision run: its policy, and which of jaxscale's pieces it goes through."""
+  master = ", float32 master weights (jaxscale.master_weights)" if config.master_weights else ""
+  return f"{config.name}: {config.policy} through jaxscale.autocast, loss scaling {config.scaling}{master}"
 
 
 def eval_steps(args: argparse.Namespace) -> list[int]:
@@ -150,21 +223,25 @@ class TraceCounter:
 
 def train(
     config: RunConfig,
-    step: Callable[[Any], tuple[jax.Array, jax.Array, jax.Array]],
+    step: Callable[[Any], tuple[jax.Array, dict[str, jax.Array]]],
     batches: Iterable[Any],
     evaluate: Callable[[], dict[str, float]],
     args: argparse.Namespace,
 ) -> Result:
-  """Runs ``step(batch) -> (loss, scale, skipped)`` over ``batches``.
+  """Runs ``step(batch) -> (loss, jaxscale.metrics(opt_state))`` over ``batches``.
 
   ``step`` updates the model itself (an NNX object, or a Linen state held by
   the caller's closure). The loop waits for each step to finish, so that its
   time is its own (the first one's includes compiling the step) and excludes
-  the evaluations; the per-step scalars are read once, when the run ends.
+  the evaluations; the metrics stay device arrays until they are shown or
+  logged, and are read all at once when the run ends.
   """
+  if config.policy is not None:
+    print(describe_run(config))
   history, seconds = [], []
   evals = eval_steps(args)
   eval_metrics = []
+  writer = tensorboard_writer(args.tensorboard, config.name) if args.tensorboard else None
   bar = tqdm.tqdm(total=args.steps, desc=config.name, disable=args.no_progress, leave=False)
   shown = {}
   for i, batch in zip(range(1, args.steps + 1), batches):
@@ -174,23 +251,39 @@ def train(
     if i in evals:
       eval_metrics.append(evaluate())
       shown["eval"] = f"{eval_metrics[-1]['loss']:.3f}"
+      if writer:
+        writer.add_scalar("heldout/loss", eval_metrics[-1]["loss"], i)
+    if writer and (i % args.log_every == 0 or i == args.steps):
+      loss, metrics = history[-1]
+      tensorboard_logging.write_scalars(writer, {"loss": loss, **metrics}, i)
     if i % 10 == 0 or i == args.steps:
-      loss, scale, _ = history[-1]
-      shown.update(loss=f"{float(loss):.3f}", scale=f"{float(scale):g}")
+      loss, metrics = history[-1]
+      shown.update(loss=f"{float(loss):.3f}", scale=f"{float(metrics['scale']):g}")
       bar.set_postfix(shown)
       bar.update(i - bar.n)
   bar.close()
-  loss, scale, skipped = (np.asarray(x) for x in zip(*jax.device_get(history)))
+  if writer:
+    writer.close()
+  losses, metrics = jax.device_get(list(zip(*history)))
+  final_metrics = {name: float(value) for name, value in metrics[-1].items()}
   return Result(
       name=config.name,
-      loss=loss.astype(np.float64),
-      scale=scale.astype(np.float64),
-      skipped=skipped.astype(bool),
+      loss=np.asarray(losses, np.float64),
+      scale=np.array([m["scale"] for m in metrics], np.float64),
+      skipped=np.array([m["last_skipped"] for m in metrics], bool),
       eval_steps=evals,
       eval_metrics=eval_metrics,
       step_seconds=np.asarray(seconds),
-      final_scale=float(scale[-1]),
+      final_scale=final_metrics["scale"],
+      final_metrics=final_metrics,
+      scaling=config.scaling,
   )
+
+
+def tensorboard_writer(logdir: str, run: str):
+  """A tensorboardX writer for one run, in a subfolder of ``logdir`` named after it."""
+  folder = "".join(c if c.isalnum() or c in "-_.=" else "_" for c in run)
+  return tensorboard_logging.summary_writer(os.path.join(logdir, folder))
 
 
 def results_table(results: list[Result], *, last: int = 50) -> str:
@@ -205,7 +298,8 @@ def results_table(results: list[Result], *, last: int = 50) -> str:
     tail = r.loss[-last:]
     train = float(np.mean(tail[np.isfinite(tail)])) if np.isfinite(tail).any() else math.nan
     rows.append(
-        [r.name, *(f"{r.eval_metrics[-1][m]:.4f}" for m in metrics), f"{train:.4f}", str(int(r.skipped.sum())),
+        [r.name, *(f"{r.eval_metrics[-1][m]:.4f}" for m in metrics), f"{train:.4f}",
+         str(int(r.final_metrics["skipped_steps"])),
          f"{r.final_scale:g}", f"{r.ms_per_step:.1f}", f"{r.compile_s:.1f}"]
     )
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -220,7 +314,7 @@ def summary(results: list[Result], *, tolerance: float = 0.02) -> str:
   """
   held_out = {r.name: r.eval_metrics[-1]["loss"] for r in results}
   if RUNS[0].name not in held_out or len(held_out) < 2:
-    return "Run float32 and another precision (--runs 0,1,2) for a comparison."
+    return "Run float32 and another precision (--runs 0,1,2, or --precision float32 --precision ...) for a comparison."
   ref = held_out.pop(RUNS[0].name)
 
   def versus(name: str) -> str:
@@ -231,17 +325,19 @@ def summary(results: list[Result], *, tolerance: float = 0.02) -> str:
     where = "matches float32" if abs(change) <= tolerance else ("loses to float32" if change > 0 else "beats float32")
     return f"{name} {where} ({loss:.3f}, {change:+.1%})"
 
-  clauses = [versus(name) for name in held_out]
-  scaled = [r for r in results if r.name == RUNS[2].name]
-  if scaled:
-    skips = int(scaled[0].skipped.sum())
-    clauses[-1] += f" with {skips} skipped step{'' if skips == 1 else 's'}"
+  clauses = []
+  for r in (r for r in results if r.name != RUNS[0].name):
+    clauses.append(versus(r.name))
+    if r.scaling:
+      skips = int(r.final_metrics["skipped_steps"])
+      clauses[-1] += f" with {skips} skipped step{'' if skips == 1 else 's'}"
   unscaled, with_jaxscale = held_out.get(RUNS[1].name), held_out.get(RUNS[2].name)
   if unscaled is not None and with_jaxscale is not None:
     lost = not math.isfinite(unscaled) or unscaled > ref * (1 + tolerance)
     if lost and abs(with_jaxscale - ref) <= tolerance * ref:
       clauses[-1] += ": loss scaling recovers what float16 alone loses"
-  return f"Against float32's held-out loss of {ref:.3f}, " + " and ".join(clauses) + "."
+  listed = " and ".join([", ".join(clauses[:-1]), clauses[-1]] if len(clauses) > 2 else clauses)
+  return f"Against float32's held-out loss of {ref:.3f}, {listed}."
 
 
 def _pyplot():
@@ -260,6 +356,13 @@ STYLES = {
     RUNS[1].name: dict(color="C1", lw=1.3, ls="-", marker="s", zorder=2),
     RUNS[2].name: dict(color="C2", lw=1.3, ls="--", marker="^", zorder=3),
 }
+# The --precision runs other than float32, in the order given.
+OTHER_STYLES = (
+    dict(color="C0", lw=1.3, ls="--", marker="^", zorder=3),
+    dict(color="C5", lw=1.3, ls="-.", marker="D", zorder=4),
+    dict(color="C4", lw=1.3, ls=":", marker="v", zorder=5),
+    dict(color="C1", lw=1.3, ls="-", marker="s", zorder=2),
+)
 
 
 def plot_runs(results: list[Result], path: str, *, title: str, smooth: int = 20) -> None:
@@ -273,8 +376,9 @@ def plot_runs(results: list[Result], path: str, *, title: str, smooth: int = 20)
 
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, height_ratios=(2, 1))
   handles = []
+  others = iter(OTHER_STYLES * len(results))
   for r in results:
-    style = dict(STYLES[r.name])
+    style = dict(STYLES[r.name] if r.name in STYLES else next(others))
     marker = style.pop("marker")
     steps = np.arange(1, len(r.loss) + 1)
     window = min(smooth, len(r.loss))
@@ -288,7 +392,7 @@ def plot_runs(results: list[Result], path: str, *, title: str, smooth: int = 20)
     if r.scale.max() != 1.0 or r.skipped.any():  # only the scaled runs have a scale to show
       bottom.plot(steps, r.scale, **style, label=f"{r.name}: loss scale")
       bottom.plot(steps[r.skipped], r.scale[r.skipped], "x", color="C3", ms=6, zorder=5,
-                  label=f"skipped steps: {int(r.skipped.sum())}")
+                  label=f"{r.name}: skipped steps: {int(r.skipped.sum())}")
   top.set_yscale("log")  # float16 without scaling can diverge by orders of magnitude
   # Plain numbers on the log axis, as many per decade as fit, so that every curve's level can be read off.
   low, high = top.get_ylim()

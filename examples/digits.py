@@ -5,6 +5,7 @@ Three runs of the same model, seed and data order: float32; float16 compute
 
     python examples/digits.py                      # the plain loss: float16 alone trains too; seconds per run
     python examples/digits.py --loss-weight 1e-5   # gradients 1e5 times smaller: float16 alone diverges, jaxscale recovers
+    python examples/digits.py --precision float32 --precision p=f16,c=f16,o=f32  # autocast, float16 parameters
 
 The Linen recipe is in `make_train_step`; see also `jaxscale.flax`.
 """
@@ -31,10 +32,13 @@ import _common  # noqa: E402
 
 
 class CNN(nn.Module):
-  """Two 3x3 convolutions and a classifier, computing in ``dtype`` with float32 parameters."""
+  """Two 3x3 convolutions and a classifier, computing in ``dtype`` with float32 parameters.
+
+  ``dtype=None``: in the dtype of the parameters and images it is given, as under `jaxscale.autocast`.
+  """
 
   width: int = 32
-  dtype: jnp.dtype = jnp.float32
+  dtype: jnp.dtype | None = jnp.float32
 
   @nn.compact
   def __call__(self, images):
@@ -64,7 +68,7 @@ def make_train_step(loss_weight: float, traces: _common.TraceCounter):
 
     grads, loss = jax.grad(scaled_loss, has_aux=True)(state.params)
     state = state.apply_gradients(grads=grads)  # unscales, checks, skips the step on inf/NaN
-    return state, (loss, scaler.scale, jaxscale.find_scaler(state.opt_state).last_skipped)
+    return state, (loss, jaxscale.metrics(state.opt_state))
 
   return train_step
 
@@ -93,14 +97,17 @@ def main(argv=None):
 
   results = []
   for config in _common.selected_runs(args):
-    model = CNN(width=args.width, dtype=config.dtype)
+    # --precision: no dtype= in the layers; autocast runs them in the policy's compute dtype.
+    model = CNN(width=args.width, dtype=config.dtype if config.policy is None else None)
+    params = model.init(jax.random.key(args.seed), test_images[:1])
+    apply = model.apply if config.policy is None else jaxscale.autocast(model.apply, config.policy)
     tx = jaxscale.dynamic_loss_scaling(
         optax.adam(args.lr, eps=1e-8 * args.loss_weight), enabled=config.scaling, init_scale=args.init_scale,
         growth_interval=args.growth_interval,
     )
-    state = train_state.TrainState.create(
-        apply_fn=model.apply, params=model.init(jax.random.key(args.seed), test_images[:1]), tx=tx
-    )
+    if config.master_weights:  # 16-bit parameters: Adam updates a float32 copy of them
+      params, tx = config.policy.cast_to_param(params), jaxscale.master_weights(tx)
+    state = train_state.TrainState.create(apply_fn=apply, params=params, tx=tx)
     # `create` starts `step` as a Python int; an array keeps the step at one compilation.
     state = state.replace(step=jnp.zeros((), jnp.int32))
     traces = _common.TraceCounter()

@@ -16,6 +16,14 @@ alone loses to float32, and jaxscale's scale recovers it.
     python examples/lm.py --loss-weight 1 --steps 600  # the plain loss: float16 alone is close to float32 at this size
     python examples/lm.py --steps 5000 --width 512 --depth 8 --seq-len 256 --batch 64  # a GPU
 
+`--precision` replaces the three runs with runs in the policies you choose, through jaxscale's
+mixed-precision pieces (`get_policy`, `autocast`, `needs_loss_scaling`, `master_weights`):
+
+    python examples/lm.py --precision auto                                # what jaxscale recommends for this device
+    python examples/lm.py --precision float32 --precision mixed_bfloat16  # several policies, one table
+    python examples/lm.py --precision params=float16,compute=float16,output=float32  # float32 master weights
+    python examples/lm.py --precision mixed_float16 --tensorboard runs/lm # log the loss and jaxscale.metrics
+
 The NNX recipe is in `make_train_step`; see also `jaxscale.flax`.
 """
 
@@ -98,15 +106,21 @@ class Block(nnx.Module):
 
 
 class TransformerLM(nnx.Module):
-  """Bytes in, next-byte logits out; computes in ``dtype`` with float32 parameters."""
+  """Bytes in, next-byte logits out; computes in ``dtype`` with float32 parameters (`build` casts them).
 
-  def __init__(self, *, width, depth, heads, seq_len, dtype, init_std, rngs: nnx.Rngs):
+  ``layer_dtypes=False`` builds the layers without Flax's ``dtype=`` arguments:
+  they compute in the dtype of what reaches them, which `jaxscale.autocast`
+  decides (``dtype`` is then the compute dtype that autocast will give them).
+  """
+
+  def __init__(self, *, width, depth, heads, seq_len, dtype, init_std, rngs: nnx.Rngs, layer_dtypes=True):
     init = nnx.initializers.normal(init_std)
-    kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    layer_dtype = dtype if layer_dtypes else None
+    kw = dict(dtype=layer_dtype, param_dtype=jnp.float32, rngs=rngs)
     self.dtype = dtype
     self.embed = nnx.Embed(VOCAB, width, embedding_init=init, **kw)
     self.pos = nnx.Param(init(rngs.params(), (seq_len, width), jnp.float32))
-    self.blocks = nnx.List([Block(width, heads, dtype=dtype, init=init, rngs=rngs) for _ in range(depth)])
+    self.blocks = nnx.List([Block(width, heads, dtype=layer_dtype, init=init, rngs=rngs) for _ in range(depth)])
     self.ln = nnx.LayerNorm(width, **kw)
     self.head = nnx.Linear(width, VOCAB, kernel_init=init, **kw)
 
@@ -128,8 +142,13 @@ def lm_loss(model: TransformerLM, windows: jax.Array, taps=None) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), windows[:, 1:]).mean()
 
 
-def make_train_step(loss_weight: float, traces: _common.TraceCounter):
-  """The NNX recipe: scale the loss with the scaler found in the optimizer, then `update`."""
+def make_train_step(loss_fn, loss_weight: float, traces: _common.TraceCounter):
+  """The NNX recipe: scale the loss with the scaler found in the optimizer, then `update`.
+
+  ``loss_fn`` is `lm_loss`, or `lm_loss` through `jaxscale.autocast`. The step
+  returns the loss and `jaxscale.metrics`, as device arrays: nothing in it
+  waits for the device.
+  """
 
   @nnx.jit
   @traces
@@ -137,20 +156,14 @@ def make_train_step(loss_weight: float, traces: _common.TraceCounter):
     scaler = jaxscale.find_scaler(optimizer.opt_state)
 
     def scaled_loss(model):
-      loss = lm_loss(model, windows)
+      loss = loss_fn(model, windows)
       return jaxscale.scale(scaler, loss * loss_weight), loss
 
     grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
     optimizer.update(model, grads)  # unscales, checks, skips the step on inf/NaN
-    new = jaxscale.find_scaler(optimizer.opt_state)
-    return loss, scaler.scale, new.last_skipped
+    return loss, jaxscale.metrics(optimizer.opt_state)
 
   return train_step
-
-
-@nnx.jit
-def eval_loss(model, windows):
-  return lm_loss(model, windows)
 
 
 @nnx.jit
@@ -170,8 +183,10 @@ def activation_and_param_grads(model, windows, scale, loss_weight):
   return {"params": param_grads, "logits": tap_grads["logits"], "blocks": tap_grads["blocks"]}
 
 
-def build(args, dtype, seed):
-  return TransformerLM(
+def build(args, dtype, seed, policy: jaxscale.Policy | None = None):
+  """The model, computing in ``dtype``; given a ``policy``, without ``dtype=`` in its layers, and with its
+  parameters stored in the policy's param dtype (the float32 initialization, rounded)."""
+  model = TransformerLM(
       width=args.width,
       depth=args.depth,
       heads=args.heads,
@@ -179,7 +194,11 @@ def build(args, dtype, seed):
       dtype=dtype,
       init_std=args.init_std,
       rngs=nnx.Rngs(seed),
+      layer_dtypes=policy is None,
   )
+  if policy is not None:
+    nnx.update(model, policy.cast_to_param(nnx.state(model, nnx.Param)))
+  return model
 
 
 def gradient_evidence(args, model16, scale, windows):
@@ -250,31 +269,36 @@ def make_optimizer(args: argparse.Namespace, config: _common.RunConfig) -> optax
 
   The runs are compared at the end, where a decayed learning rate makes the
   final loss depend less on the path that led there. Skipped steps do not
-  advance the schedule.
+  advance the schedule. For 16-bit parameters, `jaxscale.master_weights` goes
+  around the scaler: Adam updates a float32 copy, and the float16 gradients
+  become float32 before they are unscaled.
   """
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10
   )
-  return jaxscale.dynamic_loss_scaling(
+  tx = jaxscale.dynamic_loss_scaling(
       optax.adam(schedule, eps=1e-8 * args.loss_weight), enabled=config.scaling, init_scale=args.init_scale,
       growth_interval=args.growth_interval,
   )
+  return jaxscale.master_weights(tx) if config.master_weights else tx
 
 
 def train_runs(args: argparse.Namespace, train_data: np.ndarray, eval_windows: list[np.ndarray]):
-  """The selected runs of `_common.RUNS`, one after the other; returns their results and the last model."""
+  """The selected runs, one after the other; returns their results, and the last model and its optimizer."""
   results = []
   for config in _common.selected_runs(args):
-    model = build(args, config.dtype, args.seed)
+    model = build(args, config.dtype, args.seed, config.policy)
     optimizer = nnx.Optimizer(model, make_optimizer(args, config), wrt=nnx.Param)
+    loss_fn = lm_loss if config.policy is None else jaxscale.autocast(lm_loss, config.policy)
     traces = _common.TraceCounter()
-    train_step = make_train_step(args.loss_weight, traces)
+    train_step = make_train_step(loss_fn, args.loss_weight, traces)
+    eval_loss = nnx.jit(loss_fn)
     rng = np.random.default_rng(args.seed)
     batches = (sample_windows(train_data, rng, args.batch, args.seq_len) for _ in range(args.steps))
     evaluate = lambda: {"loss": float(np.mean([eval_loss(model, w) for w in eval_windows]))}
     results.append(_common.train(config, lambda w: train_step(model, optimizer, w), batches, evaluate, args))
     traces.assert_once()
-  return results, model
+  return results, model, optimizer
 
 
 def main(argv=None):
@@ -282,7 +306,7 @@ def main(argv=None):
   train_data, eval_windows = load_data(args)
   print(textwrap.fill(describe_regime(args), 100) + "\n")
 
-  results, model = train_runs(args, train_data, eval_windows)
+  results, model, _ = train_runs(args, train_data, eval_windows)
 
   setting = f"loss weight {args.loss_weight:g}, depth {args.depth}, init std {args.init_std:g}"
   if not args.no_plot:

@@ -30,6 +30,14 @@ def summary_writer(logdir: str):
   return SummaryWriter(logdir)
 
 
+def write_scalars(writer, metrics: dict, step: int) -> dict[str, float]:
+  """Reads ``metrics`` on the host (the one sync) and writes them: the loss as is, the scaler's under ``scaler/``."""
+  values = {name: float(value) for name, value in jax.device_get(metrics).items()}
+  for name, value in values.items():
+    writer.add_scalar(name if name == "loss" else f"scaler/{name}", value, step)
+  return values
+
+
 def init_mlp(key, sizes):
   keys = jax.random.split(key, len(sizes) - 1)
   return [
@@ -82,9 +90,7 @@ def main(argv=None):
   for step in range(1, args.steps + 1):
     params, opt_state, metrics = train_step(params, opt_state)
     if step % args.log_every == 0 or step == args.steps:
-      values = {name: float(value) for name, value in jax.device_get(metrics).items()}  # the one sync
-      for name, value in values.items():
-        writer.add_scalar(name if name == "loss" else f"scaler/{name}", value, step)
+      values = write_scalars(writer, metrics, step)
       logged.append((step, values))
       print(f"step {step:5d}  loss {values['loss']:.4f}  scale {values['scale']:g}  skipped {values['skipped_steps']:g}")
   writer.close()

@@ -1,5 +1,7 @@
 """Smoke tests: each example runs its three runs end to end at a tiny size and writes its figures;
-every flag has a help text that shows its default, and the commands the usage texts give parse."""
+``--precision`` runs any policy through jaxscale's mixed-precision pieces, and the metrics the
+jitted step returns reach the table and TensorBoard; every flag has a help text that shows its
+default, and the commands the usage texts give parse."""
 
 import importlib
 import math
@@ -8,8 +10,14 @@ import re
 import shlex
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from test_tensorboard_example import read_scalars
+
+import jaxscale
 
 ROOT = pathlib.Path(__file__).parents[1]
 EXAMPLES = str(ROOT / "examples")
@@ -58,11 +66,13 @@ def check_results(results, out):
       assert scaled.scale[i + 1] >= scaled.scale[i], (i, scaled.scale)
 
 
+LM_TINY = ["--width", "16", "--depth", "1", "--heads", "2", "--seq-len", "16", "--batch", "4",
+           "--data-mb", "0.05", "--eval-batches", "1"]
+
+
 def test_lm(tmp_path, capsys):
-  tiny = ["--width", "16", "--depth", "1", "--heads", "2", "--seq-len", "16", "--batch", "4",
-          "--data-mb", "0.05", "--eval-batches", "1"]
   out = ["--out", str(tmp_path / "lm.png"), "--grad-hist", str(tmp_path / "grads.png")]
-  check_results(run_example("lm", tiny + out), capsys.readouterr().out)
+  check_results(run_example("lm", LM_TINY + out), capsys.readouterr().out)
   assert (tmp_path / "lm.png").stat().st_size > 0 and (tmp_path / "grads.png").stat().st_size > 0
 
 
@@ -72,10 +82,97 @@ def test_digits(tmp_path, capsys):
   assert (tmp_path / "digits.png").stat().st_size > 0
 
 
-def fake_run(name, held_out, skipped=0):
+PRECISIONS = {  # spec: (param dtype, compute dtype, loss scaling)
+    "float32": (jnp.float32, jnp.float32, False),
+    "mixed_float16": (jnp.float32, jnp.float16, True),
+    "mixed_bfloat16": (jnp.float32, jnp.bfloat16, False),
+    "params=float16,compute=float16,output=float32": (jnp.float16, jnp.float16, True),
+}
+
+
+@pytest.mark.parametrize("spec", list(PRECISIONS))
+def test_lm_precision_runs_any_policy(spec, capsys):
+  param_dtype, compute_dtype, scaling = PRECISIONS[spec]
+  (result,) = run_example("lm", LM_TINY + ["--no-plot", "--precision", spec])
+  out = capsys.readouterr().out
+  policy = f"params={jnp.dtype(param_dtype).name},compute={jnp.dtype(compute_dtype).name},output=float32"
+  assert f"{spec}: {policy} through jaxscale.autocast, loss scaling {scaling}" in out
+  assert ("master weights" in out) == (param_dtype == jnp.float16)
+  assert result.name == spec and result.scaling == scaling and np.isfinite(result.loss).all()
+  # The scale the table shows is the scaler's: torch's 2**16 start where float16 needs it, 1 (disabled) elsewhere.
+  assert result.final_scale == result.final_metrics["scale"] == (2.0**16 if scaling else 1.0)
+  assert set(result.final_metrics) == set(jaxscale.metrics(jaxscale.init()))
+  assert result.final_metrics["skipped_steps"] == result.skipped.sum()
+  row = next(line for line in out.splitlines() if line.startswith(f"| {spec} |"))
+  assert row.split("|")[4:6] == [f" {result.final_metrics['skipped_steps']:g} ", f" {result.final_scale:g} "]
+
+
+def test_lm_precision_float32_is_the_flax_dtype_run_bit_for_bit():
+  """Through autocast, float32 is the three-run comparison's float32 model itself, step for step."""
+  lm = import_example("lm")
+  (flax_dtype,) = lm.main(COMMON_FLAGS + LM_TINY + ["--no-plot", "--runs", "0"])
+  precisions = ["--precision", "f32", "--precision", "p=f32,c=f16,o=f32"]
+  autocast, float16 = lm.main(COMMON_FLAGS + LM_TINY + ["--no-plot", *precisions])
+  assert autocast.name == "float32"  # however float32 is spelt, it is the summary's reference
+  np.testing.assert_array_equal(autocast.loss, flax_dtype.loss)
+  # float16 really computes (it rounds differently), with float32's parameters, output and updates.
+  assert not np.array_equal(float16.loss, autocast.loss)
+  np.testing.assert_allclose(float16.loss, autocast.loss, rtol=1e-3)
+
+
+def test_lm_float16_parameters_train_through_float32_master_weights():
+  lm = import_example("lm")
+  args = lm.parse_args(COMMON_FLAGS + LM_TINY + ["--no-plot", "--precision", "p=f16,c=f16,o=f32"])
+  train_data, eval_windows = lm.load_data(args)
+  initial = nnx.state(lm.build(args, jnp.float16, args.seed, jaxscale.get_policy("p=f16,c=f16,o=f32")), nnx.Param)
+  (result,), model, optimizer = lm.train_runs(args, train_data, eval_windows)
+  params = nnx.state(model, nnx.Param)
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float16)}
+  state = optimizer.opt_state
+  assert isinstance(state, jaxscale.MasterWeightsState)
+  master = jax.tree.leaves(state.master)
+  assert {x.dtype for x in master} == {jnp.dtype(jnp.float32)}
+  for m, p in zip(master, jax.tree.leaves(params)):  # the parameters are the master, rounded
+    np.testing.assert_array_equal(np.asarray(m).astype(np.float16), np.asarray(p))
+  moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(params))]
+  assert all(moved)
+  # The numbers the loop read are the optimizer's own.
+  expected = {k: float(v) for k, v in jaxscale.metrics(state).items()}
+  assert result.final_metrics == expected and expected["scale"] == 2.0**16
+
+
+def test_lm_tensorboard_logs_the_loss_and_the_scaler_every_n_steps(tmp_path):
+  argv = ["--no-plot", "--precision", "mixed_float16", "--tensorboard", str(tmp_path), "--log-every", "4"]
+  (result,) = run_example("lm", LM_TINY + argv)
+  scalars = read_scalars(str(tmp_path / "mixed_float16"))
+  assert set(scalars) == {"loss", "heldout/loss", *(f"scaler/{k}" for k in result.final_metrics)}
+  assert [step for step, _ in scalars["loss"]] == [4, 6]  # every 4 steps, and the last
+  assert [v for _, v in scalars["loss"]] == pytest.approx(result.loss[[3, 5]], rel=1e-6)
+  assert [v for _, v in scalars["scaler/scale"]] == list(result.scale[[3, 5]])
+  heldout = [(step, pytest.approx(m["loss"])) for step, m in zip(result.eval_steps, result.eval_metrics)]
+  assert scalars["heldout/loss"] == heldout
+
+
+def test_tensorboard_without_tensorboardx_names_the_extra(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # makes `import tensorboardX` fail
+  with pytest.raises(ImportError, match=re.escape("pip install 'jaxscale[tensorboard]'")):
+    import_example("_common").tensorboard_writer(str(tmp_path), "run")
+
+
+def test_digits_precision_runs_float16_parameters_through_autocast(capsys):
+  argv = ["--width", "4", "--batch", "16", "--no-plot", "--precision", "float32", "--precision", "p=f16,c=f16,o=f32"]
+  results = run_example("digits", argv)
+  assert [r.name for r in results] == ["float32", "p=f16,c=f16,o=f32"]
+  assert "float32 master weights" in capsys.readouterr().out
+  assert results[1].final_scale == 2.0**16 and all(np.isfinite(r.loss).all() for r in results)
+
+
+def fake_run(name, held_out, skipped=0, scaling=False):
   common = import_example("_common")
+  metrics = {"scale": 1.0, "skipped_steps": float(skipped)}
   return common.Result(name=name, loss=np.full(3, held_out), scale=np.ones(3), skipped=np.arange(3) < skipped,
-                       eval_steps=[3], eval_metrics=[{"loss": held_out}], step_seconds=np.ones(3), final_scale=1.0)
+                       eval_steps=[3], eval_metrics=[{"loss": held_out}], step_seconds=np.ones(3), final_scale=1.0,
+                       final_metrics=metrics, scaling=scaling)
 
 
 @pytest.mark.parametrize(
@@ -94,8 +191,19 @@ def fake_run(name, held_out, skipped=0):
 )
 def test_summary_says_what_the_table_shows(losses, expected):
   names = ["float32", "float16", "float16 + jaxscale"]
-  results = [fake_run(name, loss, skipped=int(name.endswith("jaxscale"))) for name, loss in zip(names, losses)]
+  results = [fake_run(name, loss, skipped=int(name.endswith("jaxscale")), scaling=name.endswith("jaxscale"))
+             for name, loss in zip(names, losses)]
   assert import_example("_common").summary(results) == expected
+
+
+def test_summary_of_several_policies_lists_them_in_order():
+  results = [fake_run("mixed_float16", 2.01, skipped=2, scaling=True), fake_run("float32", 2.0),
+             fake_run("mixed_bfloat16", 2.1), fake_run("p=f16,c=f16,o=f32", 1.9, scaling=True)]
+  assert import_example("_common").summary(results) == (
+      "Against float32's held-out loss of 2.000, mixed_float16 matches float32 (2.010, +0.5%) with 2 skipped steps, "
+      "mixed_bfloat16 loses to float32 (2.100, +5.0%) and p=f16,c=f16,o=f32 beats float32 (1.900, -5.0%) with 0 "
+      "skipped steps."
+  )
 
 
 def help_entries(name, capsys):
