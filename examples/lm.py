@@ -22,6 +22,7 @@ The NNX recipe is in `make_train_step`; see also `jaxscale.flax`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import sysconfig
@@ -34,6 +35,7 @@ import optax
 from flax import nnx
 
 import jaxscale
+import jaxscale.plot
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -111,15 +113,17 @@ class TransformerLM(nnx.Module):
     self.head = nnx.Linear(width, VOCAB, kernel_init=init, **kw)
 
   def __call__(self, tokens, taps=None):
-    """``taps``, zeros added to the activations, exist only to read their gradients."""
+    """``taps``: `jaxscale.tap_probes(tap_names(model))` to record the gradients of every block's output
+    and of the logits (see `gradient_range`), or None."""
     seq_len = tokens.shape[-1]
     x = self.embed(tokens) + self.pos[:seq_len].astype(self.dtype)
     for i, block in enumerate(self.blocks):
-      x = block(x)
-      if taps is not None:
-        x = x + taps["blocks"][i]
-    logits = self.head(self.ln(x))
-    return logits if taps is None else logits + taps["logits"]
+      x = jaxscale.tap(block(x), taps, f"block{i}")
+    return jaxscale.tap(self.head(self.ln(x)), taps, "logits")
+
+
+def tap_names(model: TransformerLM) -> list[str]:
+  return [f"block{i}" for i in range(len(model.blocks))] + ["logits"]
 
 
 def lm_loss(model: TransformerLM, windows: jax.Array, taps=None) -> jax.Array:
@@ -154,20 +158,16 @@ def eval_loss(model, windows):
 
 
 @nnx.jit
-def activation_and_param_grads(model, windows, scale, loss_weight):
-  """The gradient tensors that exist during backprop, for the loss scaled by ``scale``.
+def gradient_range(model, windows, scale, loss_weight):
+  """`jaxscale.range_stats` of the gradients that exist during backprop, for the loss scaled by ``scale``.
 
-  Parameter gradients, and the gradients of the logits and of every block's
-  output, in the model's compute dtype (read through zero "taps").
+  The gradient of every block's output and of the logits (read by the model's
+  taps), in the model's compute dtype, and the parameter gradients, cast to float16.
   """
-  batch, length = windows.shape[0], windows.shape[1] - 1
-  width = model.head.in_features
-  zeros = lambda *shape: jnp.zeros(shape, model.dtype)
-  taps = {"blocks": [zeros(batch, length, width) for _ in model.blocks], "logits": zeros(batch, length, VOCAB)}
   scaler = jaxscale.init(init_scale=scale)
   fn = lambda model, taps: jaxscale.scale(scaler, lm_loss(model, windows, taps) * loss_weight)
-  param_grads, tap_grads = nnx.grad(fn, argnums=(0, 1))(model, taps)
-  return {"params": param_grads, "logits": tap_grads["logits"], "blocks": tap_grads["blocks"]}
+  param_grads, tap_stats = nnx.grad(fn, argnums=(0, 1))(model, jaxscale.tap_probes(tap_names(model)))
+  return {**tap_stats, "parameter gradients": jaxscale.range_stats(param_grads)}
 
 
 def build(args, dtype, seed):
@@ -183,31 +183,51 @@ def build(args, dtype, seed):
 
 
 def gradient_evidence(args, model16, scale, windows):
-  """Zero / subnormal fractions of the gradients, float16 without and with the scale, float32 as reference."""
+  """`gradient_range` three ways: float32 compute (the reference), float16 without and with the scale."""
   model32 = build(args, jnp.float32, args.seed)
   nnx.update(model32, nnx.state(model16, nnx.Param))
   variants = {
-      "float32 (reference)": activation_and_param_grads(model32, windows, 1.0, args.loss_weight),
-      "float16, no scaling": activation_and_param_grads(model16, windows, 1.0, args.loss_weight),
-      f"float16 x {scale:g} (jaxscale)": activation_and_param_grads(model16, windows, scale, args.loss_weight),
+      "float32 (reference)": gradient_range(model32, windows, 1.0, args.loss_weight),
+      "float16, no scaling": gradient_range(model16, windows, 1.0, args.loss_weight),
+      f"float16 x 2^{math.log2(scale):g} (jaxscale)": gradient_range(model16, windows, scale, args.loss_weight),
   }
-  groups = {"logits": "gradient of the logits", "blocks": "gradients of the block outputs",
-            "params": "parameter gradients"}
-  print(f"\nGradient elements that are zero / float16-subnormal (< 2^-14), held-out batch, loss weight "
-        f"{args.loss_weight:g}:\n")
-  print("| tensors | " + " | ".join(variants) + " |\n|---|" + "---|" * len(variants))
-  for key, title in groups.items():
-    cells = []
-    for grads in variants.values():
-      f = _common.underflow_fractions(grads[key])
-      cells.append(f"{f['zero']:.1%} zero, {f['subnormal']:.1%} subnormal")
-    print(f"| {title} | " + " | ".join(cells) + " |")
-  return {title: {label: grads[key] for label, grads in variants.items()} for key, title in groups.items()}
+  print(f"\nThe gradients in float16 at the end of the float16 + jaxscale run, one held-out batch, loss weight "
+        f"{args.loss_weight:g}. With float32 compute, zero % is what a cast to float16 would flush; with float16 "
+        "compute the gradients are float16 already, and what was flushed is in exact 0 %.")
+  for label, stats in variants.items():
+    print(f"\n{label}:\n" + jaxscale.format_range_stats(stats))
+  return variants
+
+
+def start_scale(args, train_data) -> float:
+  """jaxscale's first loss scale: ``--init-scale``, or with ``auto`` `jaxscale.probe_scale`'s.
+
+  The probe is one float32 forward and backward pass of the weighted loss on
+  the first training batch, taps included: the largest gradient there, of a
+  parameter or of an activation, decides the largest scale float16 holds.
+  Prints the probe's suggestion and the gradients' range in float16 at the
+  scale chosen.
+  """
+  model32 = build(args, jnp.float32, args.seed)
+  first = sample_windows(train_data, np.random.default_rng(args.seed), args.batch, args.seq_len)  # train_runs' first
+  loss = lambda model, windows, taps=None: lm_loss(model, windows, taps) * args.loss_weight
+  probe = nnx.jit(lambda m, w: jaxscale.probe_scale(loss, m, w, taps=tap_names(m), grad=nnx.grad))(model32, first)
+  suggested = float(probe.scale)
+  print(f"Probe step (float32, first training batch): largest gradient {float(probe.max_magnitude):.3g}, "
+        f"suggested start scale 2^{math.log2(suggested):g} (float16's largest value / 8, rounded down to a power "
+        "of two).")
+  if args.init_scale == "auto":
+    scale, stats = suggested, {**probe.taps, "parameter gradients": probe.stats}
+  else:
+    scale, stats = args.init_scale, gradient_range(model32, first, args.init_scale, args.loss_weight)
+  print(f"Start scale 2^{math.log2(scale):g}{' (auto)' if args.init_scale == 'auto' else ''}; the first batch's "
+        "gradients in float16 at it:\n" + jaxscale.format_range_stats(stats) + "\n")
+  return scale
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
-  _common.add_flags(parser, steps=400, batch=32, lr=3e-3, loss_weight=1e-3, out="lm.png")
+  _common.add_flags(parser, steps=400, batch=32, lr=3e-3, loss_weight=1e-3, out="lm.png", init_scale="auto")
   parser.add_argument("--width", type=int, default=128, help="model width (embedding size)")
   parser.add_argument("--depth", type=int, default=2, help="Transformer blocks")
   parser.add_argument("--heads", type=int, default=4, help="attention heads (must divide --width)")
@@ -281,6 +301,8 @@ def main(argv=None):
   args = parse_args(argv)
   train_data, eval_windows = load_data(args)
   print(textwrap.fill(describe_regime(args), 100) + "\n")
+  if any(config.scaling for config in _common.selected_runs(args)):
+    args.init_scale = start_scale(args, train_data)
 
   results, model = train_runs(args, train_data, eval_windows)
 
@@ -291,8 +313,9 @@ def main(argv=None):
   if results[-1].name == _common.RUNS[-1].name:
     panels = gradient_evidence(args, model, results[-1].final_scale, eval_windows[0])
     if not args.no_plot:
-      _common.plot_grad_hist(panels, args.grad_hist, title=f"gradients at the end of the float16 + jaxscale run "
-                             f"({setting})")
+      jaxscale.plot.range_histogram(panels, path=args.grad_hist, columns=2, title=f"gradients at the end of the "
+                                    f"float16 + jaxscale run ({setting}), one held-out batch")
+      print(f"wrote {args.grad_hist}")
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   print(f"\nbyte-level Transformer, {n_params:,} parameters, width {args.width}, depth {args.depth}, "
         f"seq {args.seq_len}, batch {args.batch}, {args.steps} steps, loss weight {args.loss_weight:g}, "
