@@ -37,12 +37,14 @@ def range_histogram(
 ) -> Any:
   """Small multiples of log2 |x| histograms, one panel per tapped layer, runs overlaid.
 
-  Each run is a step outline of its own colour and line style (none hides
-  another); exact zeros and non-finite inputs get bars of their own at the
-  two ends, side by side per run. The dtype's smallest subnormal, smallest
+  Each run is a step outline of its own colour and line style, the earlier
+  runs wider and underneath, so that two runs that coincide both show;
+  exact zeros and non-finite inputs get bars of their own at the two ends,
+  side by side per run. The dtype's smallest subnormal, smallest
   normal and largest finite value are drawn as vertical lines, labelled on
   the top axis, with the regions that flush to zero, turn subnormal and
-  overflow shaded. The legend sits below the panels.
+  overflow shaded. The legend sits below the panels, in as many rows as it
+  takes to fit the figure's width.
 
   Args:
     stats_by_run: ``{run label: RangeStats}`` for one panel, or
@@ -102,7 +104,8 @@ def range_histogram(
       values = np.asarray(s.histogram)[inside] / count
       edges = np.arange(lo, hi + 1)
       color, style = f"C{i % 10}", _STYLES[i % len(_STYLES)]
-      ax.stairs(values, edges, color=color, ls=style, lw=1.6, label=run if ax is axes.flat[0] else None)
+      ax.stairs(values, edges, color=color, ls=style, lw=1.6 + 1.6 * (len(runs) - 1 - i) / len(runs), zorder=2 + i,
+                label=run if ax is axes.flat[0] else None)
       offset = (i - (len(runs) - 1) / 2) * width
       ax.bar([zero_at + offset, nonfinite_at + offset], [float(s.zeros) / count, float(s.nonfinite) / count],
              width=width, color=color, alpha=0.8)
@@ -130,11 +133,16 @@ def range_histogram(
   labels += [f"{dtype_name}: smallest subnormal", "smallest normal", "largest finite"]
   handles += [Patch(color="tab:red", alpha=0.25), Patch(color="tab:orange", alpha=0.3)]
   labels += ["becomes 0 / overflows", "becomes subnormal"]
-  fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False,
-             columnspacing=1.2, handlelength=1.8)
   if title:
     fig.suptitle(title, fontsize=10)
-  fig.tight_layout(rect=(0, 0.45 / (3.2 * rows + 1.0), 1, 1))
+  # The widest legend that fits the figure: all entries in one row if it can, else more rows.
+  for ncol in range(len(labels), 0, -1):
+    legend = fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False,
+                        columnspacing=1.2, handlelength=1.8)
+    if ncol == 1 or legend.get_window_extent().width <= 0.98 * fig.bbox.width:
+      break
+    legend.remove()
+  fig.tight_layout(rect=(0, (legend.get_window_extent().height + 4) / fig.bbox.height, 1, 1))
   if path is not None:
     fig.savefig(path, dpi=100)
   return fig
