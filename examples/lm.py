@@ -1,9 +1,12 @@
 """A byte-level Transformer language model on the Python standard library's own source.
 
 Three runs of the same Flax NNX model, seed and data order: float32; float16
-compute (float32 parameters) without loss scaling; float16 with jaxscale. Then
-the evidence: how many gradient elements are zero or subnormal in float16
-with and without jaxscale's scale, as a table and a histogram of log2|g|.
+compute (float32 parameters) without loss scaling; float16 with jaxscale,
+starting from the scale that one probe step suggests (`--init-scale auto`,
+`jaxscale.probe_scale`). Then the evidence: how many gradient elements, of the
+parameters and of every block's output and the logits (`jaxscale.tap`), are
+zero or subnormal in float16 with and without jaxscale's scale, as tables and
+a histogram of log2|g| per tapped layer (`jaxscale.plot.range_histogram`).
 
 By default the loss is weighted by 1e-3 (Adam's eps too, so float32 trains the
 same up to rounding): every gradient is 1000 times smaller, the logit gradients
@@ -14,6 +17,7 @@ alone loses to float32, and jaxscale's scale recovers it.
 
     python examples/lm.py                             # float16 loses, jaxscale recovers: 2-3 minutes on 2 CPU cores
     python examples/lm.py --loss-weight 1 --steps 600  # the plain loss: float16 alone is close to float32 at this size
+    python examples/lm.py --loss-weight 2048 --runs 2 --steps 200 --init-scale 65536  # summed loss: torch's start skips 11 steps
     python examples/lm.py --steps 5000 --width 512 --depth 8 --seq-len 256 --batch 64  # a GPU
 
 The NNX recipe is in `make_train_step`; see also `jaxscale.flax`.
@@ -245,6 +249,12 @@ def describe_regime(args: argparse.Namespace) -> str:
     return ("Loss weight 1: the plain loss. At this size float16 alone trains nearly as well as float32 (Adam "
             "rescales the small gradients that survive); --loss-weight 1e-3, the default, shows where it does not.")
   tokens = args.batch * args.seq_len
+  if args.loss_weight > 1:
+    return (f"Loss weight {args.loss_weight:g}: the loss (and Adam's eps) is multiplied by {args.loss_weight:g} "
+            f"before differentiating, so every gradient is {args.loss_weight:g} times larger (at {tokens}, the "
+            f"number of tokens per batch, the loss is their sum instead of their mean). Large gradients are where a "
+            "fixed start scale such as torch's 2^16 overflows, and the scaler skips steps until it has halved "
+            "into range.")
   return (f"Loss weight {args.loss_weight:g}: the loss (and Adam's eps) is multiplied by {args.loss_weight:g} before "
           f"differentiating. float32 trains the same up to rounding, but every gradient is {1 / args.loss_weight:g} "
           f"times smaller: the logit gradients of a mean over {tokens:,} tokens become as small as those of a mean "
