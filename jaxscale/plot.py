@@ -136,12 +136,14 @@ def range_histogram(
   if title:
     fig.suptitle(title, fontsize=10)
   # The widest legend that fits the figure: all entries in one row if it can, else more rows.
-  for ncol in range(len(labels), 0, -1):
-    legend = fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False,
-                        columnspacing=1.2, handlelength=1.8)
-    if ncol == 1 or legend.get_window_extent().width <= 0.98 * fig.bbox.width:
-      break
+  legend_in = lambda ncol: fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False,
+                                      columnspacing=1.2, handlelength=1.8)
+  ncol = len(labels)
+  legend = legend_in(ncol)
+  while ncol > 1 and legend.get_window_extent().width > 0.98 * fig.bbox.width:
     legend.remove()
+    ncol -= 1
+    legend = legend_in(ncol)
   fig.tight_layout(rect=(0, (legend.get_window_extent().height + 4) / fig.bbox.height, 1, 1))
   if path is not None:
     fig.savefig(path, dpi=100)
