@@ -130,6 +130,12 @@ def tap_names(model: TransformerLM) -> list[str]:
   return [f"block{i}" for i in range(len(model.blocks))] + ["logits"]
 
 
+def scale_text(scale: float) -> str:
+  """A loss scale as a power of two, where it is one."""
+  exponent = math.log2(scale)
+  return f"2^{exponent:g}" if exponent == int(exponent) else f"{scale:g}"
+
+
 def lm_loss(model: TransformerLM, windows: jax.Array, taps=None) -> jax.Array:
   """Mean next-byte cross-entropy, in float32 whatever the compute dtype."""
   logits = model(windows[:, :-1], taps)
@@ -193,7 +199,7 @@ def gradient_evidence(args, model16, scale, windows):
   variants = {
       "float32 (reference)": gradient_range(model32, windows, 1.0, args.loss_weight),
       "float16, no scaling": gradient_range(model16, windows, 1.0, args.loss_weight),
-      f"float16 x 2^{math.log2(scale):g} (jaxscale)": gradient_range(model16, windows, scale, args.loss_weight),
+      f"float16 x {scale_text(scale)} (jaxscale)": gradient_range(model16, windows, scale, args.loss_weight),
   }
   print(f"\nThe gradients in float16 at the end of the float16 + jaxscale run, one held-out batch, loss weight "
         f"{args.loss_weight:g}. With float32 compute, zero % is what a cast to float16 would flush; with float16 "
@@ -218,13 +224,13 @@ def start_scale(args, train_data) -> float:
   probe = nnx.jit(lambda m, w: jaxscale.probe_scale(loss, m, w, taps=tap_names(m), grad=nnx.grad))(model32, first)
   suggested = float(probe.scale)
   print(f"Probe step (float32, first training batch): largest gradient {float(probe.max_magnitude):.3g}, "
-        f"suggested start scale 2^{math.log2(suggested):g} (float16's largest value / 8, rounded down to a power "
+        f"suggested start scale {scale_text(suggested)} (float16's largest value / 8, rounded down to a power "
         "of two).")
   if args.init_scale == "auto":
     scale, stats = suggested, {**probe.taps, "parameter gradients": probe.stats}
   else:
     scale, stats = args.init_scale, gradient_range(model32, first, args.init_scale, args.loss_weight)
-  print(f"Start scale 2^{math.log2(scale):g}{' (auto)' if args.init_scale == 'auto' else ''}; the first batch's "
+  print(f"Start scale {scale_text(scale)}{' (auto)' if args.init_scale == 'auto' else ''}; the first batch's "
         "gradients in float16 at it:\n" + jaxscale.format_range_stats(stats) + "\n")
   return scale
 
