@@ -40,11 +40,6 @@ import tqdm
 import jaxscale
 import tensorboard_logging  # a sibling in examples/ (on the path): how the examples write to TensorBoard
 
-# float16's limits: the smallest subnormal, the smallest normal, the largest finite.
-FP16_SUBNORMAL = 2.0**-24
-FP16_NORMAL = 2.0**-14
-FP16_MAX = float(jnp.finfo(jnp.float16).max)
-
 
 class RunConfig(NamedTuple):
   name: str
@@ -99,9 +94,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def add_flags(
-    parser: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, loss_weight: float, out: str
+    parser: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, loss_weight: float, out: str,
+    init_scale: float | str = 2.0**16,
 ) -> None:
-  """The flags every example takes; each example adds its model's own."""
+  """The flags every example takes; each example adds its model's own.
+
+  ``init_scale="auto"``: the example can probe for its start scale, and does unless told a number.
+  """
   parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
   parser.add_argument("--batch", type=int, default=batch, help="batch size")
   parser.add_argument("--lr", type=float, default=lr, help="Adam's (peak) learning rate")
@@ -114,7 +113,15 @@ def add_flags(
       "stays the same up to rounding, but every gradient is this much smaller, which is where float16 "
       "underflows without a loss scale; 1 trains on the plain loss",
   )
-  parser.add_argument("--init-scale", type=float, default=2.0**16, help="jaxscale's first loss scale")
+  if init_scale == "auto":
+    parser.add_argument(
+        "--init-scale", type=scale_or_auto, default="auto",
+        help="jaxscale's first loss scale: a number (65536 is torch's default), or auto: the largest power of "
+        "two at which one probe step's gradients, parameters' and activations', stay 8 times below float16's "
+        "largest value (jaxscale.probe_scale)",
+    )
+  else:
+    parser.add_argument("--init-scale", type=float, default=init_scale, help="jaxscale's first loss scale")
   parser.add_argument(
       "--growth-interval",
       type=int,
@@ -148,6 +155,19 @@ def add_flags(
   parser.add_argument("--out", default=out, help="where to write the figure of the runs")
   parser.add_argument("--no-plot", action="store_true", help="write no figure")
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def scale_or_auto(text: str) -> float | str:
+  """A value of ``--init-scale`` where "auto" is allowed: "auto", or a positive number."""
+  if text == "auto":
+    return text
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not 0 < value < math.inf:
+    raise argparse.ArgumentTypeError(f"expected a positive number or auto, got {text!r}")
+  return value
 
 
 def regime(loss_weight: float) -> str:
@@ -416,49 +436,5 @@ def plot_runs(results: list[Result], path: str, *, title: str, smooth: int = 20)
     bottom.legend(**legend)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
-  print(f"wrote {path}")
-
-
-def underflow_fractions(tree: Any) -> dict[str, float]:
-  """Fractions of the elements of ``tree`` that are zero and that are float16-subnormal (nonzero)."""
-  flat = np.concatenate([np.abs(np.asarray(x, np.float64)).ravel() for x in jax.tree.leaves(tree)])
-  zero = float(np.mean(flat == 0))
-  subnormal = float(np.mean((flat > 0) & (flat < FP16_NORMAL)))
-  return {"zero": zero, "subnormal": subnormal}
-
-
-def plot_grad_hist(panels: dict[str, dict[str, Any]], path: str, *, title: str) -> None:
-  """One panel per group of tensors: histograms of log2|g| per variant, float16's limits drawn.
-
-  ``panels`` maps a panel title to ``{label: pytree of gradients}``; zeros are
-  counted in a bar of their own at the left.
-  """
-  plt = _pyplot()
-  fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
-  lo, hi = -40, 24
-  zero_at = lo - 4  # where the bar of exact zeros stands
-  for ax, (panel, variants) in zip(axes[0], panels.items()):
-    for (label, tree), color in zip(variants.items(), ("C0", "C1", "C2")):
-      flat = np.concatenate([np.abs(np.asarray(x, np.float64)).ravel() for x in jax.tree.leaves(tree)])
-      nonzero = flat[flat > 0]
-      zero = np.mean(flat == 0)
-      ax.hist(np.clip(np.log2(nonzero), lo, hi), bins=np.arange(lo, hi + 1.0), histtype="step", color=color,
-              lw=1.5, weights=np.full(nonzero.shape, 1.0 / flat.size), label=f"{label}: {zero:.1%} zero")
-      ax.bar(zero_at, zero, width=2, color=color, alpha=0.5)
-    for limit, style, name in ((FP16_SUBNORMAL, "--", "fp16 smallest subnormal"),
-                               (FP16_NORMAL, ":", "fp16 smallest normal"), (FP16_MAX, "-.", "fp16 largest")):
-      ax.axvline(math.log2(limit), color="k", ls=style, lw=1)
-      ax.text(math.log2(limit) + 0.5, 0.5, f"{name} 2^{round(math.log2(limit))}", transform=ax.get_xaxis_transform(),
-              rotation=90, fontsize=7, va="center")
-    ticks = range(lo + 10, hi + 1, 10)
-    ax.set_xticks([zero_at, *ticks], ["zero", *map(str, ticks)])
-    ax.set_xlabel("log2 |g|")
-    ax.set_ylabel("fraction of elements")
-    ax.set_title(panel, fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
-  fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=90)
   plt.close(fig)
   print(f"wrote {path}")

@@ -1,9 +1,12 @@
 """A byte-level Transformer language model on the Python standard library's own source.
 
 Three runs of the same Flax NNX model, seed and data order: float32; float16
-compute (float32 parameters) without loss scaling; float16 with jaxscale. Then
-the evidence: how many gradient elements are zero or subnormal in float16
-with and without jaxscale's scale, as a table and a histogram of log2|g|.
+compute (float32 parameters) without loss scaling; float16 with jaxscale,
+starting from the scale that one probe step suggests (`--init-scale auto`,
+`jaxscale.probe_scale`). Then the evidence: how many gradient elements, of the
+parameters and of every block's output and the logits (`jaxscale.tap`), are
+zero or subnormal in float16 with and without jaxscale's scale, as tables and
+a histogram of log2|g| per tapped layer (`jaxscale.plot.range_histogram`).
 
 By default the loss is weighted by 1e-3 (Adam's eps too, so float32 trains the
 same up to rounding): every gradient is 1000 times smaller, the logit gradients
@@ -14,6 +17,7 @@ alone loses to float32, and jaxscale's scale recovers it.
 
     python examples/lm.py                             # float16 loses, jaxscale recovers: 2-3 minutes on 2 CPU cores
     python examples/lm.py --loss-weight 1 --steps 600  # the plain loss: float16 alone is close to float32 at this size
+    python examples/lm.py --loss-weight 2048 --runs 2 --steps 200 --init-scale 65536  # summed loss: torch's start skips 11 steps
     python examples/lm.py --steps 5000 --width 512 --depth 8 --seq-len 256 --batch 64  # a GPU
 
 `--precision` replaces the three runs with runs in the policies you choose, through jaxscale's
@@ -30,6 +34,7 @@ The NNX recipe is in `make_train_step`; see also `jaxscale.flax`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import sysconfig
@@ -42,6 +47,7 @@ import optax
 from flax import nnx
 
 import jaxscale
+import jaxscale.plot
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -125,15 +131,23 @@ class TransformerLM(nnx.Module):
     self.head = nnx.Linear(width, VOCAB, kernel_init=init, **kw)
 
   def __call__(self, tokens, taps=None):
-    """``taps``, zeros added to the activations, exist only to read their gradients."""
+    """``taps``: `jaxscale.tap_probes(tap_names(model))` to record the gradients of every block's output
+    and of the logits (see `gradient_range`), or None."""
     seq_len = tokens.shape[-1]
     x = self.embed(tokens) + self.pos[:seq_len].astype(self.dtype)
     for i, block in enumerate(self.blocks):
-      x = block(x)
-      if taps is not None:
-        x = x + taps["blocks"][i]
-    logits = self.head(self.ln(x))
-    return logits if taps is None else logits + taps["logits"]
+      x = jaxscale.tap(block(x), taps, f"block{i}")
+    return jaxscale.tap(self.head(self.ln(x)), taps, "logits")
+
+
+def tap_names(model: TransformerLM) -> list[str]:
+  return [f"block{i}" for i in range(len(model.blocks))] + ["logits"]
+
+
+def scale_text(scale: float) -> str:
+  """A loss scale as a power of two, where it is one."""
+  exponent = math.log2(scale)
+  return f"2^{exponent:g}" if exponent == int(exponent) else f"{scale:g}"
 
 
 def lm_loss(model: TransformerLM, windows: jax.Array, taps=None) -> jax.Array:
@@ -167,20 +181,16 @@ def make_train_step(loss_fn, loss_weight: float, traces: _common.TraceCounter):
 
 
 @nnx.jit
-def activation_and_param_grads(model, windows, scale, loss_weight):
-  """The gradient tensors that exist during backprop, for the loss scaled by ``scale``.
+def gradient_range(model, windows, scale, loss_weight):
+  """`jaxscale.range_stats` of the gradients that exist during backprop, for the loss scaled by ``scale``.
 
-  Parameter gradients, and the gradients of the logits and of every block's
-  output, in the model's compute dtype (read through zero "taps").
+  The gradient of every block's output and of the logits (read by the model's
+  taps), in the model's compute dtype, and the parameter gradients, cast to float16.
   """
-  batch, length = windows.shape[0], windows.shape[1] - 1
-  width = model.head.in_features
-  zeros = lambda *shape: jnp.zeros(shape, model.dtype)
-  taps = {"blocks": [zeros(batch, length, width) for _ in model.blocks], "logits": zeros(batch, length, VOCAB)}
   scaler = jaxscale.init(init_scale=scale)
   fn = lambda model, taps: jaxscale.scale(scaler, lm_loss(model, windows, taps) * loss_weight)
-  param_grads, tap_grads = nnx.grad(fn, argnums=(0, 1))(model, taps)
-  return {"params": param_grads, "logits": tap_grads["logits"], "blocks": tap_grads["blocks"]}
+  param_grads, tap_stats = nnx.grad(fn, argnums=(0, 1))(model, jaxscale.tap_probes(tap_names(model)))
+  return {**tap_stats, "parameter gradients": jaxscale.range_stats(param_grads)}
 
 
 def build(args, dtype, seed, policy: jaxscale.Policy | None = None):
@@ -202,31 +212,51 @@ def build(args, dtype, seed, policy: jaxscale.Policy | None = None):
 
 
 def gradient_evidence(args, model16, scale, windows):
-  """Zero / subnormal fractions of the gradients, float16 without and with the scale, float32 as reference."""
+  """`gradient_range` three ways: float32 compute (the reference), float16 without and with the scale."""
   model32 = build(args, jnp.float32, args.seed)
   nnx.update(model32, nnx.state(model16, nnx.Param))
   variants = {
-      "float32 (reference)": activation_and_param_grads(model32, windows, 1.0, args.loss_weight),
-      "float16, no scaling": activation_and_param_grads(model16, windows, 1.0, args.loss_weight),
-      f"float16 x {scale:g} (jaxscale)": activation_and_param_grads(model16, windows, scale, args.loss_weight),
+      "float32 (reference)": gradient_range(model32, windows, 1.0, args.loss_weight),
+      "float16, no scaling": gradient_range(model16, windows, 1.0, args.loss_weight),
+      f"float16 x {scale_text(scale)} (jaxscale)": gradient_range(model16, windows, scale, args.loss_weight),
   }
-  groups = {"logits": "gradient of the logits", "blocks": "gradients of the block outputs",
-            "params": "parameter gradients"}
-  print(f"\nGradient elements that are zero / float16-subnormal (< 2^-14), held-out batch, loss weight "
-        f"{args.loss_weight:g}:\n")
-  print("| tensors | " + " | ".join(variants) + " |\n|---|" + "---|" * len(variants))
-  for key, title in groups.items():
-    cells = []
-    for grads in variants.values():
-      f = _common.underflow_fractions(grads[key])
-      cells.append(f"{f['zero']:.1%} zero, {f['subnormal']:.1%} subnormal")
-    print(f"| {title} | " + " | ".join(cells) + " |")
-  return {title: {label: grads[key] for label, grads in variants.items()} for key, title in groups.items()}
+  print(f"\nThe gradients in float16 at the end of the float16 + jaxscale run, one held-out batch, loss weight "
+        f"{args.loss_weight:g}. With float32 compute, zero % is what a cast to float16 would flush; with float16 "
+        "compute the gradients are float16 already, and what was flushed is in exact 0 %.")
+  for label, stats in variants.items():
+    print(f"\n{label}:\n" + jaxscale.format_range_stats(stats))
+  return variants
+
+
+def start_scale(args, train_data) -> float:
+  """jaxscale's first loss scale: ``--init-scale``, or with ``auto`` `jaxscale.probe_scale`'s.
+
+  The probe is one float32 forward and backward pass of the weighted loss on
+  the first training batch, taps included: the largest gradient there, of a
+  parameter or of an activation, decides the largest scale float16 holds.
+  Prints the probe's suggestion and the gradients' range in float16 at the
+  scale chosen.
+  """
+  model32 = build(args, jnp.float32, args.seed)
+  first = sample_windows(train_data, np.random.default_rng(args.seed), args.batch, args.seq_len)  # train_runs' first
+  loss = lambda model, windows, taps=None: lm_loss(model, windows, taps) * args.loss_weight
+  probe = nnx.jit(lambda m, w: jaxscale.probe_scale(loss, m, w, taps=tap_names(m), grad=nnx.grad))(model32, first)
+  suggested = float(probe.scale)
+  print(f"Probe step (float32, first training batch): largest gradient {float(probe.max_magnitude):.3g}, "
+        f"suggested start scale {scale_text(suggested)} (float16's largest value / 8, rounded down to a power "
+        "of two).")
+  if args.init_scale == "auto":
+    scale, stats = suggested, {**probe.taps, "parameter gradients": probe.stats}
+  else:
+    scale, stats = args.init_scale, gradient_range(model32, first, args.init_scale, args.loss_weight)
+  print(f"Start scale {scale_text(scale)}{' (auto)' if args.init_scale == 'auto' else ''}; the first batch's "
+        "gradients in float16 at it:\n" + jaxscale.format_range_stats(stats) + "\n")
+  return scale
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
-  _common.add_flags(parser, steps=400, batch=32, lr=3e-3, loss_weight=1e-3, out="lm.png")
+  _common.add_flags(parser, steps=400, batch=32, lr=3e-3, loss_weight=1e-3, out="lm.png", init_scale="auto")
   parser.add_argument("--width", type=int, default=128, help="model width (embedding size)")
   parser.add_argument("--depth", type=int, default=2, help="Transformer blocks")
   parser.add_argument("--heads", type=int, default=4, help="attention heads (must divide --width)")
@@ -244,6 +274,12 @@ def describe_regime(args: argparse.Namespace) -> str:
     return ("Loss weight 1: the plain loss. At this size float16 alone trains nearly as well as float32 (Adam "
             "rescales the small gradients that survive); --loss-weight 1e-3, the default, shows where it does not.")
   tokens = args.batch * args.seq_len
+  if args.loss_weight > 1:
+    return (f"Loss weight {args.loss_weight:g}: the loss (and Adam's eps) is multiplied by {args.loss_weight:g} "
+            f"before differentiating, so every gradient is {args.loss_weight:g} times larger (at {tokens}, the "
+            f"number of tokens per batch, the loss is their sum instead of their mean). Large gradients are where a "
+            "fixed start scale such as torch's 2^16 overflows, and the scaler skips steps until it has halved "
+            "into range.")
   return (f"Loss weight {args.loss_weight:g}: the loss (and Adam's eps) is multiplied by {args.loss_weight:g} before "
           f"differentiating. float32 trains the same up to rounding, but every gradient is {1 / args.loss_weight:g} "
           f"times smaller: the logit gradients of a mean over {tokens:,} tokens become as small as those of a mean "
@@ -305,6 +341,8 @@ def main(argv=None):
   args = parse_args(argv)
   train_data, eval_windows = load_data(args)
   print(textwrap.fill(describe_regime(args), 100) + "\n")
+  if any(config.scaling for config in _common.selected_runs(args)):
+    args.init_scale = start_scale(args, train_data)
 
   results, model, _ = train_runs(args, train_data, eval_windows)
 
@@ -315,8 +353,9 @@ def main(argv=None):
   if results[-1].name == _common.RUNS[-1].name:
     panels = gradient_evidence(args, model, results[-1].final_scale, eval_windows[0])
     if not args.no_plot:
-      _common.plot_grad_hist(panels, args.grad_hist, title=f"gradients at the end of the float16 + jaxscale run "
-                             f"({setting})")
+      jaxscale.plot.range_histogram(panels, path=args.grad_hist, columns=2, title=f"gradients at the end of the "
+                                    f"float16 + jaxscale run ({setting}), one held-out batch")
+      print(f"wrote {args.grad_hist}")
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   print(f"\nbyte-level Transformer, {n_params:,} parameters, width {args.width}, depth {args.depth}, "
         f"seq {args.seq_len}, batch {args.batch}, {args.steps} steps, loss weight {args.loss_weight:g}, "

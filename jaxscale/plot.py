@@ -23,6 +23,11 @@ def _look(run: int) -> tuple[str, str]:
   return f"C{run % 10}", _STYLES[run % len(_STYLES)]
 
 
+def _line_width(run: int, runs: int) -> float:
+  """Earlier runs are drawn wider (and beneath), so a run hidden under a later one still shows."""
+  return 1.6 + 1.6 * (runs - 1 - run) / runs
+
+
 def _figure_class() -> Any:
   # A bare Figure, not pyplot: no backend to choose, no global registry of open figures.
   try:
@@ -42,12 +47,14 @@ def range_histogram(
 ) -> Any:
   """Small multiples of log2 |x| histograms, one panel per tapped layer, runs overlaid.
 
-  Each run is a step outline of its own colour and line style (none hides
-  another); exact zeros and non-finite inputs get bars of their own at the
-  two ends, side by side per run. The dtype's smallest subnormal, smallest
+  Each run is a step outline of its own colour and line style, the earlier
+  runs wider and underneath, so that two runs that coincide both show;
+  exact zeros and non-finite inputs get bars of their own at the two ends,
+  side by side per run. The dtype's smallest subnormal, smallest
   normal and largest finite value are drawn as vertical lines, labelled on
   the top axis, with the regions that flush to zero, turn subnormal and
-  overflow shaded. The legend sits below the panels.
+  overflow shaded. The legend sits below the panels, in as many rows as it
+  takes to fit the figure's width.
 
   Args:
     stats_by_run: ``{run label: RangeStats}`` for one panel, or
@@ -124,7 +131,8 @@ def range_histogram(
       values = np.asarray(s.histogram)[inside] / count
       edges = np.arange(lo, hi + 1)
       color, style = _look(i)
-      ax.stairs(values, edges, color=color, ls=style, lw=1.6)
+      # Earlier runs wider and underneath: where two runs coincide, both show.
+      ax.stairs(values, edges, color=color, ls=style, lw=_line_width(i, len(runs)), zorder=2 + i)
       offset = (i - (len(runs) - 1) / 2) * width
       ax.bar([zero_at + offset, nonfinite_at + offset], [float(s.zeros) / count, float(s.nonfinite) / count],
              width=width, color=color, alpha=0.8)
@@ -147,7 +155,7 @@ def range_histogram(
   from matplotlib.patches import Patch
 
   # Every run, whichever panels it is drawn in.
-  handles = [Line2D([], [], color=_look(i)[0], ls=_look(i)[1], lw=1.6) for i in range(len(runs))]
+  handles = [Line2D([], [], color=_look(i)[0], ls=_look(i)[1], lw=_line_width(i, len(runs))) for i in range(len(runs))]
   labels = list(runs)
   dtype_name = np.dtype(dtype).name
   handles += [Line2D([], [], color="k", ls=style, lw=0.8) for style in (":", "--", "-")]

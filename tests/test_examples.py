@@ -70,10 +70,48 @@ LM_TINY = ["--width", "16", "--depth", "1", "--heads", "2", "--seq-len", "16", "
            "--data-mb", "0.05", "--eval-batches", "1"]
 
 
+def markdown_tables(text):
+  """The Markdown tables in ``text``, each as its rows of cells, after the line that precedes it."""
+  tables = re.findall(r"([^\n|][^\n]*)\n((?:\|.*\|\n?)+)", text)
+  return {caption: [[c.strip() for c in row.strip("|").split("|")] for row in rows.strip().splitlines()]
+          for caption, rows in tables}
+
+
 def test_lm(tmp_path, capsys):
   out = ["--out", str(tmp_path / "lm.png"), "--grad-hist", str(tmp_path / "grads.png")]
-  check_results(run_example("lm", LM_TINY + out), capsys.readouterr().out)
+  results = run_example("lm", LM_TINY + out)
+  text = capsys.readouterr().out
+  check_results(results, text)
   assert (tmp_path / "lm.png").stat().st_size > 0 and (tmp_path / "grads.png").stat().st_size > 0
+  # The start scale is the probe's (the default --init-scale is auto), printed with the range at it.
+  suggested = float(re.search(r"suggested start scale 2\^(-?\d+)", text).group(1))
+  assert results[-1].scale[0] == 2.0**suggested
+  tables = markdown_tables(text)
+  # The evidence: the range of the tapped activation gradients and of the parameter gradients, three ways.
+  scale = math.log2(results[-1].final_scale)
+  for caption in (f"Start scale 2^{suggested:g} (auto); the first batch's gradients in float16 at it:",
+                  "float32 (reference):", "float16, no scaling:", f"float16 x 2^{scale:g} (jaxscale):"):
+    rows = tables[caption]
+    assert rows[0][:5] == ["name", "elements", "zero %", "subnormal %", "overflow %"]
+    assert [row[0] for row in rows[2:]] == ["block0", "logits", "parameter gradients"]
+    # elements: batch x length x width for a block's output, x 256 bytes for the logits.
+    assert [int(row[1]) for row in rows[2:4]] == [4 * 16 * 16, 4 * 16 * 256]
+    assert all(0 <= float(cell) <= 100 for row in rows[2:] for cell in row[2:7])
+  # At the probe's start no gradient overflows, and every activation gradient is a normal float16.
+  start = tables[f"Start scale 2^{suggested:g} (auto); the first batch's gradients in float16 at it:"]
+  assert all(float(row[4]) == 0 for row in start[2:])
+  assert all(float(row[2]) == float(row[3]) == 0 for row in start[2:4])
+
+
+def test_lm_auto_init_scale_skips_no_start_up_step_where_torchs_start_skips_some(capsys):
+  """A loss summed over the batch's 64 tokens (--loss-weight 64): 2**16 overflows, the probe's start does not."""
+  summed = LM_TINY + ["--runs", "2", "--steps", "3", "--eval-every", "3", "--loss-weight", "64", "--no-plot"]
+  torch_start = import_example("lm").main(summed + ["--init-scale", "65536", "--no-progress"])[-1]
+  auto = import_example("lm").main(summed + ["--init-scale", "auto", "--no-progress"])[-1]
+  capsys.readouterr()
+  assert torch_start.scale[0] == 2.0**16 and torch_start.skipped.all()  # halving, still overflowing
+  assert np.array_equal(torch_start.scale, 2.0 ** np.arange(16, 13, -1))
+  assert auto.scale[0] < 2.0**14 and not auto.skipped.any()
 
 
 def test_digits(tmp_path, capsys):

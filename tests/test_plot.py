@@ -59,3 +59,23 @@ def test_a_run_missing_from_the_first_panel_is_still_in_the_legend():
   stats = jaxscale.range_stats(jnp.array([1e-6, 0.5]))
   fig = jaxscale.plot.range_histogram({"run a": {"x": stats}, "run b": {"y": stats}})
   assert {"run a", "run b"} <= {text.get_text() for text in fig.legends[0].get_texts()}
+@pytest.mark.parametrize("columns, runs", [(1, 1), (2, 3), (3, 4)], ids=["narrow_1_run", "two_columns_3_runs",
+                                                                         "three_columns_4_runs"])
+def test_legend_fits_below_the_panels_and_coinciding_runs_both_show(columns, runs):
+  g = jnp.array([1e-9, 1e-6, 0.0, 0.5, 3e-5])
+  panels = {name: jaxscale.range_stats(g * factor) for factor, name in ((1.0, "one"), (2.0, "two"), (4.0, "three"))}
+  labels = [f"a long run label number {i}, float16 x 2^{i}" for i in range(runs)]
+  fig = jaxscale.plot.range_histogram({label: panels for label in labels}, columns=columns, title="t")
+  fig.draw_without_rendering()
+  legend, figure = fig.legends[0].get_window_extent(), fig.bbox
+  # The whole legend inside the figure, and below every panel (its x-axis labels included).
+  assert figure.x0 <= legend.x0 and legend.x1 <= figure.x1 and legend.y0 >= figure.y0
+  for ax in fig.axes:
+    if ax.get_visible():
+      assert legend.y1 <= ax.get_tightbbox().y0 + 1
+  # Identical histograms for every run: each outline is wider than the ones drawn on top of it.
+  outlines = [p for p in fig.axes[0].patches if type(p).__name__ == "StepPatch"]
+  assert len(outlines) == runs
+  order = sorted(outlines, key=lambda p: p.get_zorder())
+  assert all(a.get_linewidth() > b.get_linewidth() for a, b in zip(order, order[1:]))
+  assert len({p.get_linestyle() for p in outlines}) == min(runs, 4)
