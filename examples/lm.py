@@ -312,8 +312,10 @@ def make_optimizer(args: argparse.Namespace, config: _common.RunConfig) -> optax
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10
   )
+  # A disabled scaler never scales, and `main` probes for `--init-scale auto` only when a run scales.
+  init_scale = args.init_scale if config.scaling else 1.0
   tx = jaxscale.dynamic_loss_scaling(
-      optax.adam(schedule, eps=1e-8 * args.loss_weight), enabled=config.scaling, init_scale=args.init_scale,
+      optax.adam(schedule, eps=1e-8 * args.loss_weight), enabled=config.scaling, init_scale=init_scale,
       growth_interval=args.growth_interval,
   )
   return jaxscale.master_weights(tx) if config.master_weights else tx

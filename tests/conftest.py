@@ -12,3 +12,13 @@ def strict_promotion():
   """
   with jax.numpy_dtype_promotion("strict"):
     yield
+
+
+@pytest.fixture
+def x64():
+  """64-bit floats on, inside the test (jax.enable_x64 from jax 0.8; jax.experimental's before)."""
+  enable_x64 = getattr(jax, "enable_x64", None)
+  if enable_x64 is None:
+    from jax.experimental import enable_x64
+  with enable_x64(True):
+    yield

@@ -56,14 +56,14 @@ def check_results(results, out):
   assert " ".join(lines[-3:]).endswith(".") and "Against float32's held-out loss" in "".join(out.split("\n\n")[-1])
   # Same model, seed and first batch: the first losses agree to float16's precision.
   np.testing.assert_allclose([r.loss[0] for r in results[1:]], results[0].loss[0], rtol=1e-2)
-  # The scaler's record is consistent: a skipped step halves the next step's scale, a taken one
-  # never lowers it.
+  # The scaler's record (the scale after each step) is consistent: a skipped step halves the scale,
+  # a taken one never lowers it.
   scaled = results[-1]
-  for i in range(len(scaled.loss) - 1):
+  for i in range(1, len(scaled.loss)):
     if scaled.skipped[i]:
-      assert scaled.scale[i + 1] == scaled.scale[i] / 2, (i, scaled.scale)
+      assert scaled.scale[i] == scaled.scale[i - 1] / 2, (i, scaled.scale)
     else:
-      assert scaled.scale[i + 1] >= scaled.scale[i], (i, scaled.scale)
+      assert scaled.scale[i] >= scaled.scale[i - 1], (i, scaled.scale)
 
 
 LM_TINY = ["--width", "16", "--depth", "1", "--heads", "2", "--seq-len", "16", "--batch", "4",
@@ -109,8 +109,8 @@ def test_lm_auto_init_scale_skips_no_start_up_step_where_torchs_start_skips_some
   torch_start = import_example("lm").main(summed + ["--init-scale", "65536", "--no-progress"])[-1]
   auto = import_example("lm").main(summed + ["--init-scale", "auto", "--no-progress"])[-1]
   capsys.readouterr()
-  assert torch_start.scale[0] == 2.0**16 and torch_start.skipped.all()  # halving, still overflowing
-  assert np.array_equal(torch_start.scale, 2.0 ** np.arange(16, 13, -1))
+  # The scale after each step: halving from 2**16, still overflowing.
+  assert torch_start.skipped.all() and np.array_equal(torch_start.scale, 2.0 ** np.arange(15, 12, -1))
   assert auto.scale[0] < 2.0**14 and not auto.skipped.any()
 
 
@@ -137,8 +137,11 @@ def test_lm_precision_runs_any_policy(spec, capsys):
   assert f"{spec}: {policy} through jaxscale.autocast, loss scaling {scaling}" in out
   assert ("master weights" in out) == (param_dtype == jnp.float16)
   assert result.name == spec and result.scaling == scaling and np.isfinite(result.loss).all()
-  # The scale the table shows is the scaler's: torch's 2**16 start where float16 needs it, 1 (disabled) elsewhere.
-  assert result.final_scale == result.final_metrics["scale"] == (2.0**16 if scaling else 1.0)
+  # The scale the table shows is the scaler's: the probe's start where float16 needs it (nothing skips or
+  # grows in 6 steps), 1 (disabled) elsewhere.
+  start = re.search(r"^Start scale 2\^(\d+)", out, re.M)
+  assert (start is not None) == scaling
+  assert result.final_scale == result.final_metrics["scale"] == (2.0 ** int(start.group(1)) if scaling else 1.0)
   assert set(result.final_metrics) == set(jaxscale.metrics(jaxscale.init()))
   assert result.final_metrics["skipped_steps"] == result.skipped.sum()
   row = next(line for line in out.splitlines() if line.startswith(f"| {spec} |"))
@@ -160,7 +163,8 @@ def test_lm_precision_float32_is_the_flax_dtype_run_bit_for_bit():
 
 def test_lm_float16_parameters_train_through_float32_master_weights():
   lm = import_example("lm")
-  args = lm.parse_args(COMMON_FLAGS + LM_TINY + ["--no-plot", "--precision", "p=f16,c=f16,o=f32"])
+  # train_runs without main: no probe, so a number for the start scale.
+  args = lm.parse_args(COMMON_FLAGS + LM_TINY + ["--no-plot", "--precision", "p=f16,c=f16,o=f32", "--init-scale", "65536"])
   train_data, eval_windows = lm.load_data(args)
   initial = nnx.state(lm.build(args, jnp.float16, args.seed, jaxscale.get_policy("p=f16,c=f16,o=f32")), nnx.Param)
   (result,), model, optimizer = lm.train_runs(args, train_data, eval_windows)

@@ -136,10 +136,9 @@ def test_under_lax_cond_every_n_steps():
   assert step._cache_size() == 1
 
 
-def test_float64_leaves_beyond_float32_range_are_underflow_and_overflow_not_zeros_or_nonfinite():
+def test_float64_leaves_beyond_float32_range_are_underflow_and_overflow_not_zeros_or_nonfinite(x64):
   """With x64 on, 1e300 overflows float16 (it is no inf input) and 1e-300 underflows (it is no exact 0)."""
-  with jax.enable_x64(True):
-    stats = jaxscale.range_stats(jnp.array([1e300, -1e-300, 1.0, 0.0, np.inf], jnp.float64))
+  stats = jaxscale.range_stats(jnp.array([1e300, -1e-300, 1.0, 0.0, np.inf], jnp.float64))
   assert [float(stats.overflow_fraction * 5), float(stats.zero_fraction * 5)] == [1.0, 1.0]
   assert [float(stats.zeros), float(stats.nonfinite)] == [1.0, 1.0]
   assert float(stats.histogram.sum() + stats.zeros + stats.nonfinite) == float(stats.size)

@@ -101,9 +101,8 @@ def test_probe_scale_with_nnx_under_nnx_jit():
   assert sorted(probe.taps) == ["hidden"]
 
 
-def test_float64_gradients_beyond_float32_range_still_set_the_scale():
-  with jax.enable_x64(True):
-    assert float(jaxscale.suggest_scale(jnp.array([1e300, 1.0], jnp.float64))) == 2.0**-126
+def test_float64_gradients_beyond_float32_range_still_set_the_scale(x64):
+  assert float(jaxscale.suggest_scale(jnp.array([1e300, 1.0], jnp.float64))) == 2.0**-126
 
 
 def test_headroom_as_a_numpy_or_jax_scalar():
