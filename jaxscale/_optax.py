@@ -182,7 +182,7 @@ def _check_state_structure(new_state, inner_state):
 
 @jax.custom_jvp
 def _no_derivative_unless(finite, x):
-  """``x``, whose derivative is zero (not ``0 * nan``) unless ``finite``."""
+  """``x`` (any pytree), whose derivative is zero (not ``0 * nan``) unless ``finite``."""
   del finite
   return x
 
@@ -191,11 +191,21 @@ def _no_derivative_unless(finite, x):
 def _no_derivative_unless_jvp(primals, tangents):
   finite, x = primals
   # A select, not a product: its transpose zeroes a NaN cotangent too.
-  return x, jnp.where(finite, tangents[1], jnp.zeros_like(tangents[1]))
+  return x, jax.tree.map(lambda t: jnp.where(finite, t, jnp.zeros_like(t)), tangents[1])
 
 
 def _gate_tree(finite, tree):
-  return jax.tree.map(lambda x: _no_derivative_unless(finite, x) if _scaler._is_floating(x) else x, tree)
+  """``tree`` with its floating leaves gated by :func:`_no_derivative_unless`, in one call.
+
+  One call for the whole tree, not one per leaf: each call is an equation
+  to trace and lower, and an optimizer of 1000 leaves has thousands of inputs.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  floating = [i for i, x in enumerate(leaves) if _scaler._is_floating(x)]
+  gated = _no_derivative_unless(finite, [leaves[i] for i in floating])
+  for i, x in zip(floating, gated):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _mask(finite, u, dtype):
