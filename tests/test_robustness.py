@@ -4,6 +4,7 @@ skipped step, the fallback of the wrapper's fast path, and the helpers on unusua
 The full optax catalogue is in tests/test_catalogue.py; option validation in tests/test_options.py.
 """
 
+import re
 import warnings
 
 import jax
@@ -80,8 +81,15 @@ def test_inner_changing_its_state_structure_is_a_clear_error(jit):
   growing = optax.GradientTransformation(lambda p: (), lambda u, s, p=None: (u, (jnp.zeros(()),)))
   tx = jaxscale.dynamic_loss_scaling(growing)
   update = jax.jit(tx.update) if jit else tx.update
-  with pytest.raises(ValueError, match="state of the structure it was given"):
+  with pytest.raises(ValueError) as error:
     update(GRADS, tx.init(PARAMS), PARAMS)
+  # Word for word around the structures (a fragment match would let a mangled message through).
+  assert re.fullmatch(
+      r"`dynamic_loss_scaling` keeps the inner optimizer's state on a skipped step, so the inner update must "
+      r"return a state of the structure it was given; it was given PyTreeDef\(\(\)\) and returned "
+      r"PyTreeDef\(\(\*,\)\)\. Build the state's final structure in the optimizer's `init`\.",
+      str(error.value),
+  ), str(error.value)
 
 
 # --- the fast path's fallback ---------------------------------------------------------------------
