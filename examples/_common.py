@@ -151,10 +151,21 @@ def add_flags(
       "--tensorboard", metavar="DIR", help="write the loss and jaxscale.metrics to TensorBoard event files in "
       "DIR, one subfolder per run (needs tensorboardX: pip install 'jaxscale[tensorboard]')",
   )
-  parser.add_argument("--log-every", type=int, default=25, help="with --tensorboard: log every N steps")
+  parser.add_argument("--log-every", type=positive_int, default=25, help="with --tensorboard: log every N steps")
   parser.add_argument("--out", default=out, help="where to write the figure of the runs")
   parser.add_argument("--no-plot", action="store_true", help="write no figure")
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def positive_int(text: str) -> int:
+  """A count of steps: an integer >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+  return value
 
 
 def scale_or_auto(text: str) -> float | str:

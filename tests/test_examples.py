@@ -288,3 +288,10 @@ def test_data_parallel_help_gives_the_two_process_commands_of_the_docs(capsys):
   assert len(two_process) == 2
   for line in two_process:
     assert line in text
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_log_every_must_be_a_positive_integer(value, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    import_example("lm").parse_args(["--log-every", value])
+  assert exit_info.value.code == 2 and "expected an integer >= 1" in capsys.readouterr().err
