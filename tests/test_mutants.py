@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxscale
+from jaxscale import _optax
 
 INT32_MAX = 2**31 - 1
 PARAMS = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array([-0.0, 0.25])}
@@ -315,3 +316,25 @@ def test_jitted_steps_select_where_produced_without_falling_back(make, monkeypat
   # Derivatives through the fast path: finite, zero for the skipped step's gradients.
   d = jax.grad(lambda g: sum(jnp.sum(u) for u in jax.tree.leaves(step(g, taken)[0])))(poisoned(GRADS))
   assert all(not np.asarray(x).any() for x in jax.tree.leaves(d))
+
+
+@pytest.mark.parametrize("path", ["jit", "eager", "fallback"])
+def test_a_skipped_step_keeps_every_dtype(path, monkeypatch):
+  """float16 parameters, an int32 step count: a skipped step's updates and state keep their dtypes."""
+  params = {"w": jnp.ones(3, jnp.float16), "b": jnp.zeros(2, jnp.float16)}
+  tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-2), init_scale=8.0)
+  state = tx.init(params)
+  grads = {"w": jnp.array([1.0, jnp.inf, 0.0], jnp.float16), "b": jnp.ones(2, jnp.float16)}
+  if path == "fallback":
+    monkeypatch.setattr(_optax, "_select_where_produced", lambda *a: (_ for _ in ()).throw(RuntimeError("forced")))
+  update = tx.update if path == "eager" else jax.jit(tx.update)
+  updates, new_state = update(grads, state, params)
+  assert jax.tree.map(lambda x: x.dtype, updates) == jax.tree.map(lambda x: x.dtype, params)
+  assert jax.tree.map(lambda x: x.dtype, new_state.inner_state) == jax.tree.map(lambda x: x.dtype, state.inner_state)
+  assert bool(new_state.scaler.last_skipped)
+
+
+def test_a_negative_growth_tracker_is_refused_word_for_word():
+  with pytest.raises(ValueError) as error:
+    jaxscale.configure(jaxscale.init(), growth_tracker=-1)
+  assert str(error.value) == "`growth_tracker` must be an integer >= 0, got -1."
