@@ -338,3 +338,20 @@ def test_a_negative_growth_tracker_is_refused_word_for_word():
   with pytest.raises(ValueError) as error:
     jaxscale.configure(jaxscale.init(), growth_tracker=-1)
   assert str(error.value) == "`growth_tracker` must be an integer >= 0, got -1."
+
+
+def test_init_defaults_are_torchs():
+  # torch.amp.GradScaler's documented defaults (init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+  # growth_interval=2000), as its state_dict() writes them.
+  assert jaxscale.state_dict(jaxscale.init()) == {
+      "scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 0}
+
+
+def test_every_state_field_has_its_documented_dtype():
+  """ScalerState's field comments: flags are bool, counters int32, the rest float32."""
+  flags = {"last_skipped", "stalled", "dynamic", "raise_on_stall", "enabled"}
+  counters = {"growth_tracker", "hysteresis_tracker", "skipped_steps", "growth_interval", "hysteresis"}
+  for state in (jaxscale.init(), jaxscale.init(enabled=False), jaxscale.update(jaxscale.init(), False)):
+    for name, value in state._asdict().items():
+      expected = jnp.bool_ if name in flags else jnp.int32 if name in counters else jnp.float32
+      assert value.dtype == expected and value.shape == (), (name, value)
