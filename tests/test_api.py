@@ -13,6 +13,8 @@ DESIGN_NAMES = {
     "ScalerState", "init", "scale", "unscale_and_check", "update",
     "dynamic_loss_scaling", "find_scaler", "state_dict", "load_state_dict",
     "range_stats", "suggest_scale",
+    "Policy", "get_policy", "autocast", "master_weights", "supports_float16", "supports_bfloat16",
+    "recommended_policy", "needs_loss_scaling", "metrics",
 }
 
 
