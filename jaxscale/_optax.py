@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import optax
 from jax.core import Tracer

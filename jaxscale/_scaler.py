@@ -27,7 +27,6 @@ import math
 from typing import Any, Literal, NamedTuple
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -269,7 +269,6 @@ def test_raise_if_stalled_names_the_stalled_scalers_of_a_2d_batch():
 def test_a_learning_rate_closed_over_gets_a_zero_derivative_through_a_skipped_step(path, monkeypatch):
   # The plain select (the eager path, and the fallback when the jaxpr cannot be evaluated) runs the
   # inner update on zeroed gradients when skipping: `lr * inf` would make d/dlr NaN, not 0.
-  from jaxscale import _optax
 
   def meta_loss(lr, grads):
     tx = jaxscale.dynamic_loss_scaling(optax.sgd(lr), init_scale=4.0)
@@ -301,7 +300,6 @@ FAST_PATH_INNERS = {
 @pytest.mark.parametrize("make", FAST_PATH_INNERS.values(), ids=FAST_PATH_INNERS.keys())
 def test_jitted_steps_select_where_produced_without_falling_back(make, monkeypatch):
   # The fallback gives the same values, only slower: a broken fast path would hide behind it.
-  from jaxscale import _optax
 
   def no_fallback(*args, **kwargs):
     raise AssertionError("the jitted step fell back to selecting on the outputs")
