@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import pytest
 
+import _sgd_loop
 import jaxscale
 
 LR = 2.0**-4  # a power of two, so that SGD rounds identically everywhere
@@ -46,24 +47,7 @@ def linear_loss(w, g):
 
 def run_jaxscale(grads, inner=None, **options):
   """The "after" loop: `dynamic_loss_scaling` around SGD, one jitted step."""
-  tx = jaxscale.dynamic_loss_scaling(inner or optax.sgd(LR), **options)
-  w = jnp.ones(grads.shape[1], jnp.float32)
-  opt_state = tx.init(w)
-
-  @jax.jit
-  def step(w, opt_state, g):
-    scaler = jaxscale.find_scaler(opt_state)
-    scaled_grads = jax.grad(lambda w: jaxscale.scale(scaler, linear_loss(w, g)))(w)
-    updates, opt_state = tx.update(scaled_grads, opt_state, w)
-    return optax.apply_updates(w, updates), opt_state
-
-  trajectory = []
-  for g in grads:
-    w, opt_state = step(w, opt_state, g)
-    scaler = jaxscale.find_scaler(opt_state)
-    trajectory.append((float(scaler.scale), int(scaler.growth_tracker), np.asarray(w)))
-  assert step._cache_size() == 1
-  return trajectory
+  return _sgd_loop.run(grads, inner or optax.sgd(LR), **options)[0]
 
 
 def assert_same_trajectory(theirs, ours):

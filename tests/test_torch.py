@@ -6,10 +6,9 @@ marked `live` also check that torch still does what was recorded, and load jaxsc
 into a live GradScaler.
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
+import _sgd_loop
 import pytest
 from fixtures import record_torch
 from fixtures.record_torch import LR, decode
@@ -24,24 +23,7 @@ def live_torch():
 
 
 def run_jaxscale(options, grads):
-  tx = jaxscale.dynamic_loss_scaling(optax.sgd(LR), **options)
-  w = jnp.ones(grads.shape[1], jnp.float32)
-  opt_state = tx.init(w)
-
-  @jax.jit
-  def step(w, opt_state, g):
-    scaler = jaxscale.find_scaler(opt_state)
-    scaled_grads = jax.grad(lambda w: jaxscale.scale(scaler, jnp.sum(w * g)))(w)
-    updates, opt_state = tx.update(scaled_grads, opt_state, w)
-    return optax.apply_updates(w, updates), opt_state
-
-  trajectory = []
-  for g in grads:
-    w, opt_state = step(w, opt_state, g)
-    scaler = jaxscale.find_scaler(opt_state)
-    trajectory.append((float(scaler.scale), int(scaler.growth_tracker), np.asarray(w)))
-  assert step._cache_size() == 1
-  return trajectory, opt_state
+  return _sgd_loop.run(grads, optax.sgd(LR), **options)
 
 
 def grads_of(scenario):
