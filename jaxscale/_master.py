@@ -115,7 +115,9 @@ def _step_to(param: jax.Array, master: jax.Array) -> jax.Array:
   is then ``target`` itself. The update goes in float32 because in the
   parameters' dtype the difference itself would round (or overflow).
   """
-  target = master.astype(param.dtype).astype(jnp.float32)
+  # The barrier keeps the cast: XLA:GPU folds a float32 -> float16 -> float32 round trip away
+  # (`xla_allow_excess_precision`), which would make `target` the unrounded master.
+  target = jax.lax.optimization_barrier(master.astype(param.dtype)).astype(jnp.float32)
   delta = target - param.astype(jnp.float32)
   # `x + -0.0` is x bit for bit, even for x = -0.0 (where `x + 0.0` is +0.0).
   return jnp.where(delta == 0, jnp.float32(-0.0), delta)

@@ -105,13 +105,15 @@ def _leaf_counts(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> dict[str, j
   finite = jnp.isfinite(x)
   nonzero = finite & (_magnitude_bits(x) != 0)
   scaled = x.astype(jnp.float32) * scale
-  cast = scaled.astype(dtype)
-  cast_bits = _magnitude_bits(cast)
+  # Every class of the cast is read from its bits: XLA:GPU folds a float32 -> float16 -> float32 round
+  # trip away (`xla_allow_excess_precision`), so `isfinite(cast)` there would test `scaled` itself.
+  cast_bits = _magnitude_bits(scaled.astype(dtype))
   normal_bits = _magnitude_bits(jnp.asarray(jnp.finfo(dtype).smallest_normal, dtype))
+  max_bits = _magnitude_bits(jnp.asarray(jnp.finfo(dtype).max, dtype))  # above it: inf or NaN
   # The table's row: 0 normal, 1 zero, 2 subnormal, 3 overflow, 4 exact 0, 5 non-finite input; each
   # class below overrides those before it (`jnp.select` would write leaf-sized arrays out on CPU).
   row = jnp.zeros(x.shape, jnp.int32)
-  for holds, value in [(cast_bits < normal_bits, 2), (cast_bits == 0, 1), (~jnp.isfinite(cast), 3),
+  for holds, value in [(cast_bits < normal_bits, 2), (cast_bits == 0, 1), (cast_bits > max_bits, 3),
                        (~nonzero, 4), (~finite, 5)]:
     row = jnp.where(holds, value, row)
   bits = _magnitude_bits(scaled).astype(jnp.int32)  # float32 magnitudes fit in int32

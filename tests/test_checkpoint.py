@@ -67,7 +67,9 @@ def checkpointer():
 
 def restore(path, like):
   ckpt = checkpointer()
-  restored = ckpt.restore(path, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like))
+  # The sharding named: a checkpoint saved on a GPU restores in a process that runs on the CPU.
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  restored = ckpt.restore(path, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like))
   ckpt.close()
   return restored
 

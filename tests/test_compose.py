@@ -226,7 +226,8 @@ def clip_between_unscaling_and_update():
 @pytest.mark.parametrize("recipe", [clip_inside_inner, clip_between_unscaling_and_update], ids=lambda f: f.__name__)
 def test_clipping_sees_true_gradients(recipe):
   expected, _ = jax.jit(clipped_adam().update)(TRUE_GRADS, clipped_adam().init(W), W)
-  assert_trees_equal(jax.jit(recipe)(), expected)
+  # To a float32 rounding: XLA:GPU fuses the recipe's arithmetic differently (1 ulp seen on an H100).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), jax.jit(recipe)(), expected)
 
 
 def test_clipping_outside_the_wrapper_clips_scaled_gradients():

@@ -21,6 +21,7 @@ import io
 import pathlib
 import re
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -83,6 +84,11 @@ def run_page(path: pathlib.Path, name: str) -> list[str]:
     if block.expected_output:
       assert block.language == "text", f"{where}: an expected output must be a ```text block."
       assert last_output is not None, f"{where}: an expected output must follow a python block."
+      if jax.default_backend() != "cpu":
+        # The pages show the CPU's output: a GPU keeps some float16 intermediates of these tiny
+        # models in float32 and overflows less (docs/troubleshooting.md, "Fewer overflows on a GPU").
+        last_output = None
+        continue
       checker = doctest.OutputChecker()
       flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
       assert checker.check_output(block.code, last_output, flags), (
