@@ -384,8 +384,8 @@ def flax_text(rows):
   missing = sorted({r["leaves"] for r in rows if r["problem"] == "optimizer step" and config(r) not in with_flax})
   if not missing:
     return []
-  return [f"The Flax DynamicScale pattern is not run at {', '.join(map(str, missing))} leaves: "
-          "compiling it there did not finish within 2 minutes on this machine (3.7 GB resident at "
+  return [f"The Flax DynamicScale pattern is not run at {', '.join(map(str, missing))} leaves, on any device: "
+          "on a 2-core CPU, compiling it there did not finish within 2 minutes (3.7 GB resident at "
           "2 minutes; one full sweep stopped there had 20 GB in use).", ""]
 
 
@@ -410,7 +410,21 @@ def keras_table(rows):
   ]
 
 
-def write_chart(rows, path):
+def rows_from_markdown(path):
+  """The rows of a table this script wrote, and the device it names: to redraw its chart."""
+  text = open(path).read()
+  device = re.search(r"on \*\*(.+?)\*\*", text).group(1)
+  rows = []
+  for line in text.splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if len(cells) == 12 and cells[5][:1].isdigit():
+      q1, q3 = map(float, cells[7].split("-"))
+      rows.append(dict(problem=cells[0], opt=cells[1], params=float(cells[2].rstrip("M")) * 1e6, leaves=int(cells[3]),
+                       variant=cells[4], ratio=float(cells[6]), ratio_q1=q1, ratio_q3=q3))
+  return rows, device
+
+
+def write_chart(rows, path, device=None):
   import matplotlib
 
   matplotlib.use("Agg")
@@ -428,10 +442,10 @@ def write_chart(rows, path):
     ax.bar(np.arange(len(configs)) + i * width, ys, width, yerr=np.clip(spread, 0, None), error_kw=dict(lw=0.6), label=v)
   ax.axhline(1.0, color="k", lw=0.8)
   ax.set_xticks(np.arange(len(configs)) + 0.4 - width / 2)
-  ax.set_xticklabels([f"{p}\n{o}\n{n/1e6:.0f}M/{l}" for p, o, n, l in configs], fontsize=7)
+  ax.set_xticklabels([f"{p}\n{o}\n{n/1e6:.3g}M/{l}" for p, o, n, l in configs], fontsize=7)
   ax.set_ylabel("step time / plain optax optimizer")
-  ax.set_title(f"Loss scaling overhead, {device_name()}", fontsize=9)
-  ax.legend(fontsize=7)
+  ax.set_title(f"Loss scaling overhead, {device or device_name()}", fontsize=9)
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the bars, never on them
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
@@ -441,7 +455,12 @@ def main():
   parser.add_argument("--quick", action="store_true", help="a few configurations, in under 2 minutes")
   parser.add_argument("--reps", type=int, default=None, help="timed rounds per configuration")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs"))
+  parser.add_argument("--replot", metavar="TABLE.md", help="redraw the chart of a table this script wrote, beside it")
   args = parser.parse_args()
+  if args.replot:
+    rows, device = rows_from_markdown(args.replot)
+    write_chart(rows, os.path.splitext(args.replot)[0] + ".png", device)
+    return
   args.reps = args.reps or (7 if args.quick else 15)
   all_variants = [v for v in VARIANTS if import_keras() or v not in KERAS_VARIANTS]
   if not import_keras():
