@@ -294,6 +294,8 @@ FAST_PATH_INNERS = {
     "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
     "twice_and_once": twice_and_once,
     "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+    # An array the update closes over is a constant of its jaxpr, which the evaluator must bind.
+    "closes_over_an_array": lambda: optax.stateless(lambda u, p: {"w": u["w"] * jnp.array([0.5, 2.0, 1.0]), "b": u["b"]}),
 }
 
 
@@ -353,3 +355,89 @@ def test_every_state_field_has_its_documented_dtype():
     for name, value in state._asdict().items():
       expected = jnp.bool_ if name in flags else jnp.int32 if name in counters else jnp.float32
       assert value.dtype == expected and value.shape == (), (name, value)
+
+
+# --- from the full run's survivors (tests/MUTATION.md) ---------------------------------------------
+
+
+def test_the_finiteness_check_cannot_overflow_on_finite_values():
+  """A sum of the values themselves would overflow: the check sums `g * 0`."""
+  assert bool(jaxscale.all_finite(jnp.array([3e38, 3e38])))
+  assert bool(jaxscale.all_finite(jnp.array([60000.0, 60000.0], jnp.float16)))
+  assert not bool(jaxscale.all_finite(jnp.array([3e38, jnp.inf])))
+
+
+def test_the_smallest_normal_float32_is_a_valid_bound():
+  tiny = 2.0**-126
+  assert float(jaxscale.init(min_scale=tiny).min_scale) == tiny
+  assert float(jaxscale.init(init_scale=tiny, max_scale=tiny).max_scale) == tiny
+
+
+def test_integers_beyond_float32_are_stored_with_their_sign():
+  assert float(jaxscale.init(max_scale=10**40).max_scale) == np.inf
+  with pytest.raises(ValueError, match=r"got -1000+, which float32 stores as -inf\.$"):
+    jaxscale.init(min_scale=-(10**40))
+
+
+def test_int32_min_is_refused_as_below_one_not_as_out_of_range():
+  with pytest.raises(ValueError, match=r"^`growth_interval` must be an integer >= 1, got -2147483648\.$"):
+    jaxscale.init(growth_interval=-(2**31))
+
+
+def test_numpy_error_settings_do_not_leak_into_option_checks():
+  with np.errstate(under="raise"), pytest.raises(ValueError, match="which float32 stores as 0.0"):
+    jaxscale.init(init_scale=1e-50)
+
+
+def test_unscaling_stays_in_float32_for_float16_gradients_under_x64(x64):
+  # 0.046875 / (1.5 * 2**20) is below float16's smallest subnormal: the float32 product rounds it to 0.
+  unscaled, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=1.5 * 2**20), jnp.float16(0.046875))
+  assert bool(finite)
+  assert float(unscaled) == 0.0
+
+
+def test_non_floating_leaves_are_ignored_by_the_check():
+  assert bool(jaxscale.all_finite({"key": jax.random.key(0), "step": jnp.int32(3), "x": jnp.ones(2)}))
+
+
+def test_a_disabled_scaler_takes_bounds_that_do_not_contain_its_fixed_scale_of_one():
+  disabled = jaxscale.init(enabled=False)
+  assert float(jaxscale.configure(disabled, min_scale=2.0).min_scale) == 2.0
+  assert float(jaxscale.configure(disabled, max_scale=0.5).max_scale) == 0.5
+
+
+def test_scales_below_one_flag_only_the_true_overflows():
+  """At scale 0.5 a float16 gradient of 20000 unscales to a finite 40000: the step is good."""
+  unscaled, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=0.5), jnp.array([20000.0], jnp.float16))
+  assert bool(finite) and float(unscaled[0]) == 40000.0
+  _, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=0.5), jnp.array([40000.0], jnp.float16))
+  assert not bool(finite)  # 80000 is beyond float16
+
+
+def test_traced_options_are_stored_in_their_documented_dtypes():
+  states = jax.vmap(lambda s, n, h: jaxscale.init(init_scale=s, growth_interval=n, hysteresis=h))(
+      jnp.array([8, 16]), jnp.array([3.0, 4.0]), jnp.array([1.0, 2.0]))
+  assert (states.scale.dtype, states.growth_interval.dtype) == (jnp.float32, jnp.int32)
+  assert (states.hysteresis.dtype, states.hysteresis_tracker.dtype) == (jnp.int32, jnp.int32)
+
+
+def _changes_state_dtype():
+  """An inner transformation whose update returns its state in another dtype than `init` made it."""
+  init = lambda params: {"m": jnp.zeros(2, jnp.float32)}
+  update = lambda updates, state, params=None: (updates, {"m": (state["m"] + 1).astype(jnp.bfloat16)})
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_a_skipped_step_keeps_the_dtypes_the_inner_update_returns(wrap):
+  grads = {"a": jnp.array([1.0, 2.0]), "i": jnp.array([3, 4], jnp.int32)}
+  for inner, state_dtype in [(optax.identity(), None), (_changes_state_dtype(), jnp.bfloat16)]:
+    tx = jaxscale.dynamic_loss_scaling(inner, init_scale=1.0)
+    step = wrap(lambda g, s: tx.update(g, s))
+    updates, taken = step(grads, tx.init(grads))
+    skipped_updates, skipped = step(grads | {"a": jnp.array([jnp.inf, 2.0])}, taken)
+    assert jaxscale.find_scaler(skipped).last_skipped
+    assert {k: v.dtype for k, v in skipped_updates.items()} == {"a": jnp.float32, "i": jnp.int32}
+    if state_dtype is not None:
+      assert taken.inner_state["m"].dtype == skipped.inner_state["m"].dtype == state_dtype
+      assert bits(skipped.inner_state) == bits(taken.inner_state)

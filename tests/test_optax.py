@@ -108,6 +108,20 @@ def test_disabled_is_exactly_inner_and_never_skips():
   assert int(jaxscale.find_scaler(state).skipped_steps) == 0
 
 
+def test_disabled_passes_params_and_extra_arguments_to_the_inner_optimizer():
+  """adamw reads the parameters (weight decay), reduce_on_plateau the loss (`value`)."""
+  inners = {
+      "adamw": (lambda: optax.adamw(1e-2, weight_decay=0.1), {}),
+      "reduce_on_plateau": (lambda: optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau()), {"value": 1.0}),
+  }
+  for make, extra in inners.values():
+    tx, inner = jaxscale.dynamic_loss_scaling(make(), enabled=False), make()
+    updates, state = tx.update(GRADS, tx.init(PARAMS), PARAMS, **extra)
+    want, inner_state = inner.update(GRADS, inner.init(PARAMS), PARAMS, **extra)
+    assert_bitwise_equal(updates, want)
+    assert_bitwise_equal(state.inner_state, inner_state)
+
+
 def test_skipped_step_does_not_advance_step_count_or_schedule():
   schedule = optax.linear_schedule(1.0, 0.0, 4)
   tx = jaxscale.dynamic_loss_scaling(optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))

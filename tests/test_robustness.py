@@ -4,6 +4,7 @@ skipped step, the fallback of the wrapper's fast path, and the helpers on unusua
 The full optax catalogue is in tests/test_catalogue.py; option validation in tests/test_options.py.
 """
 
+import logging
 import re
 import warnings
 
@@ -103,13 +104,14 @@ FALLBACK_INNERS = {
 
 @pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("make", FALLBACK_INNERS.values(), ids=FALLBACK_INNERS.keys())
-def test_fallback_when_the_jaxpr_cannot_be_evaluated_gives_the_fast_paths_results(make, monkeypatch):
+def test_fallback_when_the_jaxpr_cannot_be_evaluated_gives_the_fast_paths_results(make, monkeypatch, caplog):
   tx = jaxscale.dynamic_loss_scaling(make(), init_scale=SCALE)
   state = tx.init(PARAMS)
   batches = [scaled(GRADS), scaled(GRADS, jnp.inf), scaled(GRADS), scaled(GRADS, jnp.nan)]
 
   def run():
-    step, s, out = jax.jit(tx.update), state, []
+    # A fresh function each time: `jax.jit(tx.update)` again would reuse the first trace.
+    step, s, out = jax.jit(lambda *args: tx.update(*args)), state, []
     for g in batches:
       updates, s = step(g, s, PARAMS)
       out.append((updates, s))
@@ -117,11 +119,20 @@ def test_fallback_when_the_jaxpr_cannot_be_evaluated_gives_the_fast_paths_result
 
   fast = run()
 
+  calls = []
+
   def cannot(*args, **kwargs):
+    calls.append(1)
     raise NotImplementedError("a primitive this evaluator does not know")
 
   monkeypatch.setattr(_optax, "_eval_jaxpr", cannot)
-  slow = run()
+  with caplog.at_level(logging.DEBUG, logger="jaxscale._optax"):
+    slow = run()
+  assert calls == [1]  # traced once, and the fallback taken
+  assert [r.getMessage() for r in caplog.records if r.name == "jaxscale._optax"] == [
+      "jaxscale: selecting on the outputs of the inner update "
+      "(NotImplementedError('a primitive this evaluator does not know'))"
+  ]
   # Same values; compiled from different graphs, so equal within the last bit of Adam's rounding.
   for (u_fast, s_fast), (u_slow, s_slow) in zip(fast, slow):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=0), (u_fast, s_fast), (u_slow, s_slow))
@@ -254,7 +265,7 @@ def test_raise_if_stalled_on_a_batched_scaler_names_the_stalled_ones():
   jaxscale.raise_if_stalled(states)  # none stalled
   flags = jnp.array([True, False, True])
   states = jax.vmap(jaxscale.update)(states, flags)
-  with pytest.raises(FloatingPointError, match=r"\[1\]"):
+  with pytest.raises(FloatingPointError, match=r"\(scalers \[1\] of a batch of shape \(3,\)\)"):
     jaxscale.raise_if_stalled(states)
 
 
