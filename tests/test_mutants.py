@@ -423,8 +423,12 @@ def test_traced_options_are_stored_in_their_documented_dtypes():
 
 def _changes_state_dtype():
   """An inner transformation whose update returns its state in another dtype than `init` made it."""
-  init = lambda params: {"m": jnp.zeros(2, jnp.float32)}
-  update = lambda updates, state, params=None: (updates, {"m": (state["m"] + 1).astype(jnp.bfloat16)})
+  init = lambda params: {"m": jnp.zeros(2, jnp.float32), "a": jnp.zeros(2, jnp.float32), "b": jnp.zeros(2, jnp.float32)}
+
+  def update(updates, state, params=None):
+    twice = (state["a"] + 2).astype(jnp.bfloat16)  # one value, output as two state leaves
+    return updates, {"m": (state["m"] + 1).astype(jnp.bfloat16), "a": twice, "b": twice}
+
   return optax.GradientTransformation(init, update)
 
 
@@ -439,5 +443,6 @@ def test_a_skipped_step_keeps_the_dtypes_the_inner_update_returns(wrap):
     assert jaxscale.find_scaler(skipped).last_skipped
     assert {k: v.dtype for k, v in skipped_updates.items()} == {"a": jnp.float32, "i": jnp.int32}
     if state_dtype is not None:
-      assert taken.inner_state["m"].dtype == skipped.inner_state["m"].dtype == state_dtype
+      for k in ("m", "a", "b"):
+        assert taken.inner_state[k].dtype == skipped.inner_state[k].dtype == state_dtype
       assert bits(skipped.inner_state) == bits(taken.inner_state)
