@@ -412,7 +412,8 @@ def keras_table(rows):
 
 def rows_from_markdown(path):
   """The rows of a table this script wrote, and the device it names: to redraw its chart."""
-  text = open(path).read()
+  with open(path) as f:
+    text = f.read()
   device = re.search(r"on \*\*(.+?)\*\*", text).group(1)
   rows = []
   for line in text.splitlines():

@@ -84,3 +84,14 @@ def test_the_quick_page_and_chart_are_written(tmp_path):
   plain, scaled = rows
   assert scaled["ratio"] == pytest.approx(scaled["ms"] / plain["ms"], rel=1e-9)
   assert f"| {scaled['ratio']:.2f} |" in page
+
+
+def test_a_written_page_reads_back_for_replotting(tmp_path):
+  rows = [dict(problem="optimizer step", opt="adam", params=8e6, leaves=48, variant=v, ms=ms, ratio=ms / 2.0,
+               ratio_q1=ms / 2.0 - 0.01, ratio_q3=ms / 2.0 + 0.02, compile_s=0.5, compile_ratio=1.0,
+               memory_ratio=1.0, copies=0) for v, ms in [("plain", 2.0), ("jaxscale", 2.5)]]
+  bench.write_markdown(rows, tmp_path / "benchmarks.md", types.SimpleNamespace(quick=True, reps=2))
+  read, device = bench.rows_from_markdown(tmp_path / "benchmarks.md")
+  assert device == bench.device_name()
+  assert [(r["variant"], r["params"], r["leaves"], r["ratio"], r["ratio_q1"], r["ratio_q3"]) for r in read] == [
+      ("plain", 8e6, 48, 1.0, 0.99, 1.02), ("jaxscale", 8e6, 48, 1.25, 1.24, 1.27)]
