@@ -38,7 +38,8 @@ inside ``loss_fn``, and their gradients come back through the cast in float32.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
