@@ -733,8 +733,10 @@ def test_mpx_returns_an_inf_loss_when_the_scaled_float16_loss_overflows():
   w, g = jnp.ones(3), jnp.array([0.5, 0.25, 1.0])  # loss 1.75: times 65504 overflows float16
   loss, _, finite, grads = mpx.filter_value_and_grad(linear_loss, mpx_scaling(65504.0))(w, g)
   assert np.isinf(loss) and bool(finite)  # the step is taken; the logged loss is inf
+  np.testing.assert_array_equal(grads, g)
   loss, grads, finite = jaxscale.value_and_grad(linear_loss)(jaxscale.init(init_scale=65504.0), w, g)
   assert float(loss) == 1.75 and bool(finite)  # `fun`'s own value, never scaled
+  np.testing.assert_array_equal(grads, g)
 
 
 def test_mpx_skips_only_in_optimizer_update():
@@ -744,7 +746,8 @@ def test_mpx_skips_only_in_optimizer_update():
   _, _, finite, grads = mpx.filter_value_and_grad(linear_loss, mpx_scaling(2.0**10))(w, g)
   assert not bool(finite)
   new_w, new_state = mpx.optimizer_update(w, tx, tx.init(w), grads, finite)
-  np.testing.assert_array_equal(new_w, w)  # skipped, with the flag
+  np.testing.assert_array_equal(new_w, w)  # skipped, with the flag: parameters and state kept
+  jax.tree.map(np.testing.assert_array_equal, new_state, tx.init(w))
   updates, _ = tx.update(grads, tx.init(w), w)
   assert np.isnan(optax.apply_updates(w, updates)).any()  # Optax alone is not told: NaN parameters
   # jaxscale's skip is in the optimizer: a plain `tx.update` skips.
