@@ -9,6 +9,8 @@ on the finite batches, and a plain-Python model of the scale rule.
 
 from __future__ import annotations
 
+import pathlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ import pytest
 import jaxscale
 import jaxscale.equinox
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 LR = 1e-2
 INTERVAL = 2  # growth_interval: short, so that the runs below grow the scale too
 BAD = {2: "inf input", 3: "nan input", 6: "overflows once scaled"}  # the steps whose gradients are not finite
@@ -363,3 +366,22 @@ def test_autocast_runs_an_equinox_models_matmuls_in_float16_and_its_softmax_in_f
   assert dots and exps
   assert all(v.aval.dtype == jnp.float16 for e in dots for v in e.invars)
   assert all(v.aval.dtype == jnp.float32 for e in exps for v in e.invars)
+
+
+# ------------------------------------------------------------------ the example
+
+
+def test_the_equinox_example_runs_and_reports_float32s_spread(capsys, monkeypatch):
+  pytest.importorskip("sklearn")
+  monkeypatch.syspath_prepend(str(ROOT / "examples"))
+  import equinox_mlp
+
+  results = equinox_mlp.main(["--seeds", "2", "--steps", "3", "--width", "8"])
+  assert list(results) == ["float32", "float16", "float16 + jaxscale"]
+  assert all(len(runs) == 2 and all(np.isfinite(r["loss"]) for r in runs) for runs in results.values())
+  assert [r["scale"] for r in results["float16"]] == [1.0, 1.0]
+  assert [r["scale"] for r in results["float16 + jaxscale"]] == [2.0**16, 2.0**16]
+  out = capsys.readouterr().out
+  low, high = sorted(r["loss"] for r in results["float32"])
+  assert f"float32's held-out loss over the seeds spans [{low:.4f}, {high:.4f}]." in out
+  assert "float16 + jaxscale: mean" in out
