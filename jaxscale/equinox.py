@@ -82,7 +82,8 @@ def filter_value_and_grad(
 
   Raises:
     TypeError: if the first argument of the returned function is not a
-      ``jaxscale.ScalerState``.
+      ``jaxscale.ScalerState``, or if ``fun`` returns no ``(loss, aux)`` pair
+      with ``has_aux``.
 
   Examples:
     >>> import jax.numpy as jnp, equinox as eqx, jaxscale, jaxscale.equinox
@@ -98,7 +99,16 @@ def filter_value_and_grad(
     del argnums  # eqx.filter_grad differentiates the first argument
     return eqx.filter_grad(scaled_fun, has_aux=has_aux)
 
-  value_and_grad = _grad.value_and_grad_with(grad, fun, 0, has_aux, axis_name)
+  def checked_fun(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(
+          "With `has_aux=True`, `fun` must return a pair `(loss, aux)`; it returned "
+          f"{type(out).__name__} {out!r}. Return the pair, or leave `has_aux` False."
+      )
+    return out
+
+  value_and_grad = _grad.value_and_grad_with(grad, checked_fun, 0, has_aux, axis_name)
 
   def wrapped(scaler, *args, **kwargs):
     if not isinstance(scaler, _scaler.ScalerState):

@@ -255,6 +255,13 @@ def test_helper_without_the_scaler_first_says_what_to_pass(first):
     jaxscale.equinox.filter_value_and_grad(loss_fn)(*args)
 
 
+def test_helper_with_has_aux_and_no_pair_says_so():
+  model = make_model()
+  x, y = batches(steps=1, bad={})[0]
+  with pytest.raises(TypeError, match=r"has_aux=True.*must return a pair `\(loss, aux\)`"):
+    jaxscale.equinox.filter_value_and_grad(loss_fn, has_aux=True)(jaxscale.init(), model, x, y)
+
+
 # ------------------------------------------------------------------ state: find_scaler, metrics, checkpoints
 
 
