@@ -184,22 +184,18 @@ def test_a_skipped_step_leaves_the_float16_models_arrays_bit_for_bit():
   x, y = batches(steps=1, bad={})[0]
   skipped = 0
   while True:
-    before_model, before_inner = model, find_inner(opt_state)
+    before_model, before_inner = model, opt_state.inner_state
     model, opt_state, m = step(model, opt_state, x, y)
     if not m["last_skipped"]:
       break
     skipped += 1
     assert_same_arrays(model, before_model)
-    for a, b in zip(jax.tree.leaves(find_inner(opt_state)), jax.tree.leaves(before_inner)):
+    for a, b in zip(jax.tree.leaves(opt_state.inner_state), jax.tree.leaves(before_inner)):
       np.testing.assert_array_equal(a, b)
   assert skipped > 0 and float(m["scale"]) == 2.0 ** (40 - skipped)
   assert all(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(params(model)))
   changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params(model)), jax.tree.leaves(params(before_model)))]
   assert all(changed)  # the first finite step moved every array
-
-
-def find_inner(opt_state):
-  return opt_state.inner_state
 
 
 def test_float16_gradients_keep_their_dtype_and_match_the_unscaled_ones():
@@ -253,6 +249,19 @@ def test_helper_without_the_scaler_first_says_what_to_pass(first):
   args = (model, x, y) if first == "model" else (opt_state, model, x, y)
   with pytest.raises(TypeError, match=r"scaler state first.*jaxscale.find_scaler\(opt_state\)"):
     jaxscale.equinox.filter_value_and_grad(loss_fn)(*args)
+
+
+def test_helper_with_axis_name_makes_every_device_agree():
+  model = make_model()
+  (x, y), (bad_x, _) = batches(steps=3, bad={1: "inf input"})[:2]
+  xs, ys = jnp.stack([x, bad_x]), jnp.stack([y, y])  # device 1's batch holds an inf
+
+  def per_device(x, y, axis_name):
+    vg = jaxscale.equinox.filter_value_and_grad(loss_fn, axis_name=axis_name)
+    return vg(jaxscale.init(), model, x, y)[2]
+
+  assert jax.vmap(lambda x, y: per_device(x, y, "devices"), axis_name="devices")(xs, ys).tolist() == [False, False]
+  assert jax.vmap(lambda x, y: per_device(x, y, None))(xs, ys).tolist() == [True, False]
 
 
 def test_helper_with_has_aux_and_no_pair_says_so():
