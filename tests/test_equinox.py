@@ -130,7 +130,7 @@ def assert_same_arrays(a, b, rtol=0.0, err_msg=""):
 INNER = {
     # A power-of-two learning rate: SGD's steps round alike in any compiled program, bit for bit.
     "sgd": (lambda: optax.sgd(2.0**-6), 0.0),
-    # Adam's square root and division may fuse differently in the two programs: 1 ulp apart.
+    # Adam's square root and division may fuse differently in the two programs: a few ulp apart.
     "adam": (lambda: optax.adam(LR), 5e-7),
 }
 
