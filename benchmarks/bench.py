@@ -114,6 +114,47 @@ def flax_dynamic_scale(opt):
   return init, step
 
 
+def mpx_optimizer_update(opt):
+  """mpx, the Equinox peer: what `mpx.filter_value_and_grad` does after its gradient (check, adjust,
+  unscale), then `mpx.optimizer_update` (the Optax step, then a select over parameters and state)."""
+  import mpx
+
+  inner = OPTIMIZERS[opt]()
+
+  # The state holds mpx's arrays; its `period` and `factor` stay Python ints, static as under
+  # `eqx.filter_jit`.
+  def init(params):
+    return (jnp.float32(SCALE), jnp.int32(0)), inner.init(params)
+
+  def step(params, state, grads):
+    (scale, counter), opt_state = state
+    scaling = mpx.DynamicLossScaling(scale, jnp.float32(1.0), counter=counter)
+    finite = mpx.all_finite(grads)
+    scaling = scaling.adjust(finite)
+    params, opt_state = mpx.optimizer_update(params, inner, opt_state, scaling.unscale(grads), finite)
+    return params, ((scaling.loss_scaling, scaling.counter), opt_state)
+
+  return init, step
+
+
+def mpx_lm_train_step(opt, *, heads):
+  """mpx's whole LM step: `mpx.filter_value_and_grad` (which casts the parameters to float16 and
+  scales, differentiates, checks, adjusts and unscales), then `mpx.optimizer_update`."""
+  import mpx
+
+  inner = OPTIMIZERS[opt]()
+
+  def step(params, state, tokens):
+    (scale, counter), opt_state = state
+    scaling = mpx.DynamicLossScaling(scale, jnp.float32(1.0), counter=counter)
+    loss_fn = lambda p: lm_loss(p, tokens, heads=heads)
+    _, scaling, finite, grads = mpx.filter_value_and_grad(loss_fn, scaling)(params)
+    params, opt_state = mpx.optimizer_update(params, inner, opt_state, grads, finite)
+    return params, ((scaling.loss_scaling, scaling.counter), opt_state)
+
+  return step
+
+
 @functools.cache
 def import_keras():
   """keras 3 on the JAX backend, or None where it cannot be imported."""
@@ -155,7 +196,9 @@ VARIANTS = {
     "flax DynamicScale": flax_dynamic_scale,
     "plain keras": functools.partial(keras_variant, loss_scale=False),
     "keras LossScaleOptimizer": functools.partial(keras_variant, loss_scale=True),
+    "mpx": mpx_optimizer_update,
 }
+LM_STEPS = {"mpx": mpx_lm_train_step}  # variants that run their own LM step, from the loss
 UNSCALED = ("plain", "plain keras")  # stepped on the true gradients
 KERAS_VARIANTS = ("plain keras", "keras LossScaleOptimizer")
 
@@ -301,6 +344,8 @@ def lm_builders(opt, width, depth, variants, *, seq_len=128, batch=8, heads=4):
     init, step = VARIANTS[variant](opt)
     params = lm_init(jax.random.key(0), vocab=256, width=width, depth=depth, seq_len=seq_len)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, 256)
+    if variant in LM_STEPS:
+      return params, init(params), (tokens,), LM_STEPS[variant](opt, heads=heads)
     return params, init(params), (tokens,), lm_train_step(step, variant not in UNSCALED, heads=heads)
 
   return {v: functools.partial(build, v) for v in variants}

@@ -28,18 +28,20 @@ def test_importing_jaxscale_pulls_in_no_optional_dependency():
   # Only what jaxscale itself imports: optax < 0.2.7 imports chex, a dependency of its own.
   code = (
       "import sys, jax, optax; before = set(sys.modules); import jaxscale; "
-      "print(sorted({'flax', 'torch', 'orbax', 'chex', 'matplotlib'} & (set(sys.modules) - before)))"
+      "print(sorted({'flax', 'equinox', 'torch', 'orbax', 'chex', 'matplotlib'} & (set(sys.modules) - before)))"
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]"
 
 
 def public_callables():
+  import jaxscale.equinox
   import jaxscale.flax
 
   # Constants (HISTOGRAM_EXPONENTS) are documented where they are used.
   named = {name: getattr(jaxscale, name) for name in jaxscale.__all__ if callable(getattr(jaxscale, name))}
   named["flax.value_and_grad"] = jaxscale.flax.value_and_grad
+  named["equinox.filter_value_and_grad"] = jaxscale.equinox.filter_value_and_grad
   return named
 
 

@@ -23,7 +23,7 @@ def _load_bench():
 
 
 bench = _load_bench()
-NEEDS = {"jmp+apply_if_finite": "jmp", "flax DynamicScale": "flax"}
+NEEDS = {"jmp+apply_if_finite": "jmp", "flax DynamicScale": "flax", "mpx": "mpx"}
 SCALED = [v for v in bench.VARIANTS if v not in bench.UNSCALED]
 
 
@@ -95,3 +95,19 @@ def test_a_written_page_reads_back_for_replotting(tmp_path):
   assert device == bench.device_name()
   assert [(r["variant"], r["params"], r["leaves"], r["ratio"], r["ratio_q1"], r["ratio_q3"]) for r in read] == [
       ("plain", 8e6, 48, 1.0, 0.99, 1.02), ("jaxscale", 8e6, 48, 1.25, 1.24, 1.27)]
+
+
+def test_the_mpx_lm_step_steps_like_jaxscales():
+  pytest.importorskip("mpx")
+  builders = bench.lm_builders("adam", 16, 1, ["jaxscale", "mpx"], seq_len=8, batch=2, heads=2)
+  stepped = {}
+  for variant, build in builders.items():
+    params, state, args, step = build()
+    before = jax.device_get(params)
+    params, state = jax.jit(step)(params, state, *args)
+    assert not np.array_equal(jax.device_get(params)["embed"], before["embed"])
+    stepped[variant] = (jax.device_get(params), float(bench._current_scale(state)))
+  assert stepped["mpx"][1] == stepped["jaxscale"][1] == bench.SCALE
+  # Both take Adam's first step on the same float16-computed gradients.
+  for got, want in zip(jax.tree.leaves(stepped["mpx"][0]), jax.tree.leaves(stepped["jaxscale"][0]), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

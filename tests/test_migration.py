@@ -584,3 +584,208 @@ def test_torch_refuses_to_unscale_float16_gradients():
     scaler.unscale_(opt)
   grads, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=2.0**10), jnp.full(2, 2.0**10, jnp.float16))
   assert grads.dtype == jnp.float16 and bool(finite)
+
+
+# ------------------------------------------------------------------ mpx (mixed-precision-for-jax, for Equinox)
+
+MPX_PERIOD = INTERVAL
+
+
+def mpx_scaling(init_scale, *, period=MPX_PERIOD, min_scale=1.0, factor=2):
+  mpx = pytest.importorskip("mpx")
+  return mpx.DynamicLossScaling(jnp.float32(init_scale), jnp.float32(min_scale), factor=factor, period=period)
+
+
+def run_mpx(grads, *, init_scale=2.0**14):
+  """mpx's documented Equinox loop: `mpx.filter_value_and_grad(fun, scaling)`, then `mpx.optimizer_update`."""
+  mpx = pytest.importorskip("mpx")
+  eqx = pytest.importorskip("equinox")
+  tx = optax.sgd(LR)
+
+  @eqx.filter_jit
+  def step(w, opt_state, scaling, g):
+    _, scaling, finite, grads = mpx.filter_value_and_grad(linear_loss, scaling)(w, g)
+    w, opt_state = mpx.optimizer_update(w, tx, opt_state, grads, finite)
+    return w, opt_state, scaling
+
+  w = jnp.ones(grads.shape[1], jnp.float32)
+  opt_state, scaling = tx.init(w), mpx_scaling(init_scale)
+  trajectory = []
+  for g in grads:
+    w, opt_state, scaling = step(w, opt_state, scaling, g)
+    trajectory.append((float(scaling.loss_scaling), int(scaling.counter), np.asarray(w)))
+  return trajectory
+
+
+def sgd_on_true_gradients(grads, *, halved=()):
+  """float32 SGD from ones on the finite rows of `grads` (half the gradient at the steps in `halved`)."""
+  w, out = np.ones(grads.shape[1], np.float32), []
+  for step, g in enumerate(grads):
+    if np.isfinite(g).all():
+      w = (w - np.float32(LR) * (g / 2 if step in halved else g)).astype(np.float32)
+    out.append(w)
+  return out
+
+
+def test_mpx_counts_period_and_halves_and_doubles_like_jaxscale():
+  theirs = run_mpx(GRADS)
+  ours = run_jaxscale(GRADS, init_scale=2.0**14, growth_interval=MPX_PERIOD, min_scale=1.0)
+  for step, ((t_scale, t_count, _), (o_scale, o_count, _)) in enumerate(zip(theirs, ours, strict=True)):
+    assert (t_scale, t_count) == (o_scale, o_count), f"step {step}"
+  scales = [s for s, *_ in ours]
+  assert max(scales) > 2.0**14 > min(scales)
+
+
+def test_mpx_unscales_by_the_next_scale_so_a_growth_step_takes_half_the_gradient():
+  theirs, ours = run_mpx(GRADS), run_jaxscale(GRADS, init_scale=2.0**14, growth_interval=MPX_PERIOD)
+  scales = [2.0**14] + [s for s, *_ in ours]
+  growths = {step for step in range(len(GRADS)) if scales[step + 1] > scales[step]}
+  assert growths  # the sequence grows the scale
+  for step, (want, (*_, w)) in enumerate(zip(sgd_on_true_gradients(GRADS), ours)):
+    np.testing.assert_array_equal(w, want, err_msg=f"jaxscale, step {step}")
+  for step, (want, (*_, w)) in enumerate(zip(sgd_on_true_gradients(GRADS, halved=growths), theirs)):
+    np.testing.assert_array_equal(w, want, err_msg=f"mpx, step {step}")
+  # The loss mpx returns is unscaled by the next scale too: half the true loss on a growth step.
+  mpx = pytest.importorskip("mpx")
+  w, g = jnp.ones(3), jnp.array([0.5, 0.25, 1.0])
+  loss, scaling, _, grads = mpx.filter_value_and_grad(linear_loss, mpx_scaling(2.0**10, period=1))(w, g)
+  assert float(scaling.loss_scaling) == 2.0**11 and float(loss) == 1.75 / 2
+  np.testing.assert_array_equal(grads, g / 2)
+  loss, grads, _ = jaxscale.value_and_grad(linear_loss)(jaxscale.init(init_scale=2.0**10, growth_interval=1), w, g)
+  assert float(loss) == 1.75
+  np.testing.assert_array_equal(grads, g)
+
+
+def test_mpx_clips_the_scale_at_float16_max():
+  scaling = mpx_scaling(2.0**15, period=1)
+  grown = scaling.adjust(jnp.array(True))
+  assert float(grown.loss_scaling) == 65504.0  # not a power of two: unscaling is no longer exact
+  assert float(grown.adjust(jnp.array(False)).loss_scaling) == 32752.0
+  assert float(jaxscale.update(jaxscale.init(init_scale=2.0**15, growth_interval=1), True).scale) == 2.0**16
+  clipped = jaxscale.init(init_scale=2.0**15, growth_interval=1, max_scale=65504.0)
+  assert float(jaxscale.update(clipped, True).scale) == 65504.0
+
+
+def test_mpx_has_one_factor_for_growth_and_back_off():
+  scaling = mpx_scaling(2.0**10, period=1, factor=4)
+  state = jaxscale.init(init_scale=2.0**10, growth_interval=1, growth_factor=4.0, backoff_factor=0.25)
+  for finite in [True, False, False]:
+    scaling, state = scaling.adjust(jnp.array(finite)), jaxscale.update(state, finite)
+    assert float(scaling.loss_scaling) == float(state.scale)
+
+
+def test_mpx_needs_an_array_scale_and_a_min_scale():
+  mpx = pytest.importorskip("mpx")
+  with pytest.raises(TypeError):
+    mpx.DynamicLossScaling(jnp.float32(2.0**15))  # min_loss_scaling has no default
+  with pytest.raises(AttributeError):
+    mpx.DynamicLossScaling(2.0**15, jnp.float32(1.0))  # a Python float has no `.ndim`
+  state = jaxscale.init(init_scale=2.0)  # jaxscale: floats, and min_scale 0 (backs off below 1)
+  for _ in range(3):
+    state = jaxscale.update(state, False)
+  assert float(state.scale) == 0.25
+
+
+def test_mpx_period_and_factor_are_static_under_filter_jit():
+  eqx = pytest.importorskip("equinox")
+  traces = []
+
+  @eqx.filter_jit
+  def adjust(scaling):
+    traces.append(1)
+    return scaling.adjust(jnp.array(True))
+
+  adjust(mpx_scaling(2.0**10, period=100))
+  adjust(mpx_scaling(2.0**10, period=200))
+  assert len(traces) == 2  # a new period compiles the step again
+  ours = eqx.filter_jit(lambda s: (traces.append(1), jaxscale.update(s, True))[1])
+  traces.clear()
+  state = ours(jaxscale.init(growth_interval=100))
+  ours(jaxscale.configure(state, growth_interval=200))
+  assert len(traces) == 1  # jaxscale's options are arrays in the state
+
+
+def test_mpx_casts_every_argument_to_float16_and_returns_float32_gradients():
+  mpx = pytest.importorskip("mpx")
+  eqx = pytest.importorskip("equinox")
+  seen = []
+
+  def loss(w, x):
+    seen.append((w.dtype, x.dtype))
+    return jnp.sum(w * x)
+
+  w, x = jnp.ones(2, jnp.float32), jnp.ones(2, jnp.float32)
+  _, _, _, grads = mpx.filter_value_and_grad(loss, mpx_scaling(2.0**10))(w, x)
+  assert seen[-1] == (jnp.float16, jnp.float16) and grads.dtype == jnp.float32
+  # jaxscale leaves dtypes to the model (a Policy, autocast): what goes in is what is computed.
+  _, grads, _ = jaxscale.value_and_grad(loss)(jaxscale.init(init_scale=2.0**10), w, x)
+  assert seen[-1] == (jnp.float32, jnp.float32) and grads.dtype == jnp.float32
+  w16 = w.astype(jnp.float16)
+  _, grads, _ = jaxscale.value_and_grad(loss)(jaxscale.init(init_scale=2.0**10), w16, x.astype(jnp.float16))
+  assert grads.dtype == jnp.float16
+  _, _, _, grads = mpx.filter_value_and_grad(loss, mpx_scaling(2.0**10))(w16, x)
+  assert grads.dtype == jnp.float32  # so eqx.apply_updates turns a float16 model into a float32 one
+  assert eqx.apply_updates(w16, grads).dtype == jnp.float32
+
+
+def test_mpx_returns_an_inf_loss_when_the_scaled_float16_loss_overflows():
+  mpx = pytest.importorskip("mpx")
+  w, g = jnp.ones(3), jnp.array([0.5, 0.25, 1.0])  # loss 1.75: times 65504 overflows float16
+  loss, _, finite, grads = mpx.filter_value_and_grad(linear_loss, mpx_scaling(65504.0))(w, g)
+  assert np.isinf(loss) and bool(finite)  # the step is taken; the logged loss is inf
+  np.testing.assert_array_equal(grads, g)
+  loss, grads, finite = jaxscale.value_and_grad(linear_loss)(jaxscale.init(init_scale=65504.0), w, g)
+  assert float(loss) == 1.75 and bool(finite)  # `fun`'s own value, never scaled
+  np.testing.assert_array_equal(grads, g)
+
+
+def test_mpx_skips_only_in_optimizer_update():
+  mpx = pytest.importorskip("mpx")
+  w, g = jnp.ones(3), jnp.array([0.5, jnp.inf, 1.0])
+  tx = optax.adam(LR)
+  _, _, finite, grads = mpx.filter_value_and_grad(linear_loss, mpx_scaling(2.0**10))(w, g)
+  assert not bool(finite)
+  new_w, new_state = mpx.optimizer_update(w, tx, tx.init(w), grads, finite)
+  np.testing.assert_array_equal(new_w, w)  # skipped, with the flag: parameters and state kept
+  jax.tree.map(np.testing.assert_array_equal, new_state, tx.init(w))
+  updates, _ = tx.update(grads, tx.init(w), w)
+  assert np.isnan(optax.apply_updates(w, updates)).any()  # Optax alone is not told: NaN parameters
+  # jaxscale's skip is in the optimizer: a plain `tx.update` skips.
+  ours = jaxscale.dynamic_loss_scaling(tx, init_scale=2.0**10)
+  scaled = jax.grad(lambda w: jaxscale.scale(jaxscale.find_scaler(ours.init(w)), linear_loss(w, g)))(w)
+  updates, _ = ours.update(scaled, ours.init(w), w)
+  np.testing.assert_array_equal(optax.apply_updates(w, updates), w)
+
+
+def test_mpx_checks_finiteness_per_device():
+  mpx = pytest.importorskip("mpx")
+  w = jnp.ones(3)
+  per_device = jnp.array([[0.5, jnp.inf, 1.0], [0.5, 0.25, 1.0]])  # one device's batch overflows
+
+  def theirs(g):
+    _, scaling, finite, _ = mpx.filter_value_and_grad(linear_loss, mpx_scaling(2.0**10))(w, g)
+    return scaling.loss_scaling, finite
+
+  def ours(g):
+    _, _, finite = jaxscale.value_and_grad(linear_loss, axis_name="devices")(jaxscale.init(init_scale=2.0**10), w, g)
+    return finite
+
+  scales, flags = jax.vmap(theirs, axis_name="devices")(per_device)
+  assert flags.tolist() == [False, True] and scales.tolist() == [2.0**9, 2.0**10]  # the replicas diverge
+  assert jax.vmap(ours, axis_name="devices")(per_device).tolist() == [False, False]
+
+
+def test_mpx_force_full_precision_is_autocast_to_float32_with_float16_outputs():
+  mpx = pytest.importorskip("mpx")
+  x = jnp.array([1.0, 2.0, 3.0], jnp.float16)
+
+  def normalise(x):
+    assert x.dtype == jnp.float32
+    return jax.nn.softmax(x)
+
+  theirs = mpx.force_full_precision(normalise)(x)
+  assert theirs.dtype == jnp.float16
+  assert jaxscale.autocast(normalise, "float32")(x).dtype == jnp.float32
+  ours = jaxscale.autocast(normalise, "params=float32,compute=float32,output=float16")(x)
+  assert ours.dtype == jnp.float16
+  np.testing.assert_array_equal(ours, theirs)

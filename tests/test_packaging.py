@@ -41,3 +41,14 @@ def test_missing_flax_is_an_import_error_that_names_the_extra():
   code = "import sys; sys.modules['flax'] = None; import jaxscale; print(jaxscale.__version__)"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
   assert out.stdout.strip() == jaxscale.__version__
+
+
+def test_missing_equinox_is_an_import_error_that_names_the_extra():
+  code = "import sys; sys.modules['equinox'] = None; import jaxscale.equinox"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+  assert out.returncode != 0
+  last_line = out.stderr.strip().splitlines()[-1]
+  assert last_line.startswith("ImportError: ") and "pip install 'jaxscale[equinox]'" in last_line
+  code = "import sys; sys.modules['equinox'] = None; import jaxscale; print(jaxscale.__version__)"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+  assert out.stdout.strip() == jaxscale.__version__
