@@ -30,7 +30,8 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from typing import Any, Callable, Sequence, TypeVar, Union
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,7 @@ _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxp
 MARKER = "jaxscale_autocast"  # the name of the `jit` around a nested region
 
 
-def autocast(fun: F, policy: Union[_policy.Policy, str], *, enabled: bool = True) -> F:
+def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F:
   """``fun`` with each operation's precision chosen per operation, as under ``torch.autocast``.
 
   Every ``dot_general`` and ``conv_general_dilated`` in ``fun`` (inside ``jit``, ``scan``,
@@ -186,7 +187,7 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], policy: _policy.
     env[var] = value
   for var, value in zip(jaxpr.invars, args):
     env[var] = value
-  read = lambda v: v.val if isinstance(v, core.Literal) else env[v]  # noqa: E731
+  read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
   for eqn in jaxpr.eqns:
     outs = _eqn(eqn, [read(v) for v in eqn.invars], policy)
     for var, value in zip(eqn.outvars, outs):
@@ -339,7 +340,7 @@ def _nnx_variables(tree) -> dict:
   nnx = sys.modules.get("flax.nnx")
   if nnx is None:
     return {}
-  is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  is_variable = lambda x: isinstance(x, nnx.Variable)
   found, index = {}, 0
   for item in jax.tree.leaves(tree, is_leaf=is_variable):
     count = len(jax.tree.leaves(item)) if is_variable(item) else 1
