@@ -123,9 +123,10 @@ def _count(jaxpr) -> tuple[Counter, Counter, int]:
     if name in _autocast.COMPUTE_PRIMITIVES:
       lhs, rhs = avals[0].dtype.name, avals[1].dtype.name
       flops[lhs if lhs == rhs else f"{lhs}*{rhs}"] += _flops(eqn)
-    elif name in _autocast.FLOAT32_PRIMITIVES:
-      if any(_autocast._floating(a) and np.dtype(a.dtype).itemsize < 4 for a in avals):
-        ops[name] += 1
+    elif name in _autocast.FLOAT32_PRIMITIVES and any(
+        _autocast._floating(a) and np.dtype(a.dtype).itemsize < 4 for a in avals
+    ):
+      ops[name] += 1
     subs = [_count(j) for j in _autocast._subjaxprs(eqn.params)]
     if not subs:
       continue
