@@ -191,8 +191,7 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], policy: _policy.
   for eqn in jaxpr.eqns:
     outs = _eqn(eqn, [read(v) for v in eqn.invars], policy)
     for var, value in zip(eqn.outvars, outs):
-      if not isinstance(var, core.DropVar):
-        env[var] = value
+      env[var] = value  # a DropVar too: never read
   return [_cast(read(v), v.aval) for v in jaxpr.outvars]
 
 
