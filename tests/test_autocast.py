@@ -489,3 +489,31 @@ def test_an_unknown_higher_order_primitive_is_refused_by_name():
   with pytest.raises(NotImplementedError, match="`my_call`"):
     jaxscale.autocast(calling(lambda x: x @ x), "mixed_float16")(x)
   np.testing.assert_array_equal(jaxscale.autocast(calling(lambda x: x + 1), "mixed_float16")(x), x + 1)
+
+
+def test_vmap_jvp_and_hessian_of_an_autocast_function():
+  w = jax.random.normal(jax.random.key(0), (4, 4)) / 2
+  xs = jax.random.normal(jax.random.key(1), (3, 4))
+
+  def f(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+  cast = jaxscale.autocast(f, "mixed_float16")
+  np.testing.assert_allclose(jax.vmap(cast, (None, 0))(w, xs), jax.vmap(f, (None, 0))(w, xs), rtol=2e-2)
+  (value, tangent), (ref_value, ref_tangent) = (jax.jvp(g, (w, xs[0]), (w, xs[0])) for g in (cast, f))
+  np.testing.assert_allclose([value, tangent], [ref_value, ref_tangent], rtol=2e-2)
+  hessian = jax.jit(jax.hessian(cast))(w, xs[0])
+  assert hessian.dtype == F32 and hessian.shape == (4, 4, 4, 4)
+  np.testing.assert_allclose(hessian, jax.hessian(f)(w, xs[0]), atol=3e-2 * float(jnp.abs(hessian).max()))
+  # Second-order: the matmuls of the gradient's own gradient are float16 too.
+  assert_per_operation(jax.hessian(cast), w, xs[0])
+
+
+def test_an_equinox_module_as_fun():
+  import equinox as eqx
+
+  mlp = eqx.nn.MLP(4, 2, 8, depth=1, key=jax.random.key(0))
+  x = jnp.ones(4)
+  cast = jaxscale.autocast(mlp, "mixed_float16")
+  assert_per_operation(cast, x)
+  np.testing.assert_allclose(cast(x), mlp(x), rtol=2e-2, atol=1e-3)
