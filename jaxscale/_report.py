@@ -71,7 +71,7 @@ class PrecisionReport:
     return "\n".join(lines)
 
 
-def precision_report(fun: Callable, *args, **kwargs) -> PrecisionReport:
+def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionReport:
   """What ``fun(*args, **kwargs)`` computes in which dtype, without running it.
 
   Args:
