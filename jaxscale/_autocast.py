@@ -80,8 +80,9 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
 
   Every ``dot_general`` and ``conv_general_dilated`` in ``fun`` (inside ``jit``, ``scan``,
   ``cond``, ``while_loop``, ``checkpoint``, a Flax or Equinox layer that asks for float32)
-  runs in ``policy.compute_dtype``; the operations of :data:`FLOAT32_PRIMITIVES` (exp, log,
-  sums, ...) run in float32; everything else follows its inputs. Parameters are not cast
+  runs in ``policy.compute_dtype``; the operations of torch's float32 list (exp, log, sums,
+  ...: the table in docs/mixed_precision.md) run in float32; everything else follows its
+  inputs, in the widest of their dtypes. Parameters are not cast
   where they are stored, so gradients reach float32 parameters in float32. Floating outputs
   are cast to ``policy.output_dtype``; integers, bools and PRNG keys pass through.
 

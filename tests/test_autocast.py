@@ -175,8 +175,8 @@ def float32_list_cases():
       "log1p": (jnp.log1p, x), "pow": (lambda a: a ** (a + 1), x), "integer_pow": (lambda a: a ** 3, x),
       "square": (jnp.square, x), "rsqrt": (jax.lax.rsqrt, x), "acos": (jnp.arccos, x),
       "asin": (jnp.arcsin, x), "cosh": (jnp.cosh, x), "sinh": (jnp.sinh, x), "tan": (jnp.tan, x),
-      "erf_inv": (jax.scipy.special.erfinv, x), "reduce_sum": (lambda a: jax.lax.reduce_sum_p.bind(a, axes=(1,), out_sharding=None), x),
-      "reduce_prod": (lambda a: jax.lax.reduce_prod_p.bind(a, axes=(1,), out_sharding=None), x),
+      "erf_inv": (jax.scipy.special.erfinv, x), "reduce_sum": (lambda a: jax.lax.reduce(a, np.float16(0), jax.lax.add, (1,)), x),
+      "reduce_prod": (lambda a: jax.lax.reduce(a, np.float16(1), jax.lax.mul, (1,)), x),
       "cumsum": (lambda a: jax.lax.cumsum(a, axis=1), x), "cumprod": (lambda a: jax.lax.cumprod(a, axis=1), x),
       "cumlogsumexp": (lambda a: jax.lax.cumlogsumexp(a, axis=1), x),
   }  # fmt: skip
