@@ -155,7 +155,7 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
     arrays = [leaves[i] for i in dynamic]
     closed = jax.make_jaxpr(traced)(*arrays)
     run = functools.partial(_run_closed, closed, policy)
-    if any(isinstance(x, jax.core.Tracer) for x in arrays):
+    if any(isinstance(x, jax.core.Tracer) for x in (*arrays, *closed.consts)):
       # Under a trace, the region goes into a `jit` named as the marker: an enclosing autocast
       # sees it and leaves it as this policy made it. (Run eagerly, no enclosing one can exist.)
       run = jax.jit(_named(run))

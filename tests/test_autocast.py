@@ -528,3 +528,14 @@ def test_an_equinox_module_as_fun():
   cast = jaxscale.autocast(mlp, "mixed_float16")
   assert_per_operation(cast, x)
   np.testing.assert_allclose(cast(x), mlp(x), rtol=2e-2, atol=1e-3)
+
+
+def test_a_nested_float32_region_closing_over_the_outer_trace_stays_float32():
+  """The inner region's only traced values are closed over (its argument is a constant)."""
+  x = jnp.ones((2, 3))
+
+  def fun(w):
+    return jaxscale.autocast(lambda x: x @ w, "float32")(x) @ w
+
+  report = jaxscale.precision_report(jaxscale.autocast(fun, "mixed_float16"), jnp.ones((3, 3)))
+  assert report.matmul_flops == {"float32": 2 * 2 * 3 * 3, "float16": 2 * 2 * 3 * 3}
