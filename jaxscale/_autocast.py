@@ -154,7 +154,7 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
 
     arrays = [leaves[i] for i in dynamic]
     closed = jax.make_jaxpr(traced)(*arrays)
-    run = functools.partial(_run_closed, closed, policy)
+    run = functools.partial(_call, closed, policy)
     if any(isinstance(x, jax.core.Tracer) for x in (*arrays, *closed.consts)):
       # Under a trace, the region goes into a `jit` named as the marker: an enclosing autocast
       # sees it and leaves it as this policy made it. (Run eagerly, no enclosing one can exist.)
@@ -175,10 +175,6 @@ def _named(fn):
 
   region.__name__ = region.__qualname__ = MARKER
   return region
-
-
-def _run_closed(closed, policy, *arrays):
-  return evaluate(closed.jaxpr, closed.consts, arrays, policy)
 
 
 def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], policy: _policy.Policy) -> list:
