@@ -19,6 +19,7 @@ from jaxscale._metrics import metrics
 # Mixed precision around the scaler.
 from jaxscale._policy import Policy, get_policy, needs_loss_scaling
 from jaxscale._autocast import autocast
+from jaxscale._report import PrecisionReport, precision_report
 from jaxscale._master import MasterWeightsState, master_weights
 from jaxscale._device import recommended_policy, supports_bfloat16, supports_float16
 
@@ -49,10 +50,12 @@ __all__ = (
     # Mixed precision around the scaler.
     "MasterWeightsState",
     "Policy",
+    "PrecisionReport",
     "autocast",
     "get_policy",
     "master_weights",
     "needs_loss_scaling",
+    "precision_report",
     "recommended_policy",
     "supports_bfloat16",
     "supports_float16",
