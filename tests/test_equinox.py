@@ -368,8 +368,6 @@ class _Classifier(eqx.Module):
     return jax.nn.log_softmax(self.mlp(x).astype(jnp.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: autocast casts the inputs of the whole function; "
-                   "per operation, a float32 layer's matmul would run in float16 too")
 def test_autocast_runs_an_equinox_models_matmuls_in_float16_and_its_softmax_in_float32():
   model = _Classifier(eqx.nn.MLP(4, 3, width_size=8, depth=2, key=jax.random.key(0)))
   # A caller that keeps the input in float32 on purpose: per-operation autocast still
