@@ -1,6 +1,7 @@
 """Shared test configuration."""
 
 import jax
+import numpy as np
 import pytest
 
 
@@ -22,3 +23,20 @@ def x64():
     from jax.experimental import enable_x64
   with enable_x64(True):
     yield
+
+
+def bits(tree):
+  """Every leaf's bytes, in order: equal lists mean bit-for-bit equal trees (-0.0 and NaN payloads too)."""
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def assert_bitwise_equal(a, b):
+  """``a`` and ``b`` have the same structure, dtypes and bits, leaf by leaf."""
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+
+  def same_bits(x, y):
+    x, y = np.atleast_1d(np.asarray(x)), np.atleast_1d(np.asarray(y))
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+  jax.tree.map(same_bits, a, b)

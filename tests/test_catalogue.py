@@ -150,7 +150,7 @@ def enumerate_catalogue():
         with warnings.catch_warnings():
           warnings.simplefilter("ignore", DeprecationWarning)
           tx = build()
-      except Exception as error:  # noqa: BLE001 - a function that is not a transformation factory
+      except Exception as error:  # a function that is not a transformation factory
         if annotated:
           missing.append(f"{name} ({type(error).__name__}: {error})")
         continue
