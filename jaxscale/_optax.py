@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -10,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxscale import _master, _scaler
+from jaxscale import _scaler, _tree
 
 
 class DynamicLossScalingState(NamedTuple):
@@ -94,7 +93,7 @@ def dynamic_loss_scaling(
 
   def init_fn(params):
     inner_state = inner.init(params)
-    _master.refuse_inside_scaler(inner_state)
+    _refuse_what_must_not_be_inside(inner_state)
     return DynamicLossScalingState(_scaler.init(**init_options), inner_state)
 
   def update_fn(updates, state, params=None, *, finite=None, **extra_args):
@@ -145,13 +144,26 @@ def _update_or_keep(finite, update, updates, inner_state, params):
   step) whose derivative is zero on a skipped step; the kept state keeps its
   derivative with respect to the old state.
   """
-  zeroed = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)) if _scaler._is_floating(u) else u, updates)
+  zeroed = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)) if _tree.is_floating(u) else u, updates)
   new_updates, new_state = update(*_gate_tree(finite, (zeroed, inner_state, params)))
   _check_state_structure(new_state, inner_state)
   return (
       jax.tree.map(lambda u: _mask(finite, u, jnp.result_type(u)), new_updates),
       jax.tree.map(lambda n, o: _keep_if_skipped(finite, n, o, jnp.result_type(n)), new_state, inner_state),
   )
+
+
+def _refuse_what_must_not_be_inside(inner_state):
+  """Raises the error a state type names in its ``not_inside_dynamic_loss_scaling`` class attribute.
+
+  A wrapper whose state must never be wrapped in this one (``master_weights``:
+  the scaler would unscale its float16 gradients in float16) says so on its
+  state's type, so that this module need not know it.
+  """
+  refuses = lambda x: isinstance(getattr(type(x), "not_inside_dynamic_loss_scaling", None), str)
+  for leaf in jax.tree.leaves(inner_state, is_leaf=refuses):
+    if refuses(leaf):
+      raise ValueError(type(leaf).not_inside_dynamic_loss_scaling)
 
 
 def _check_state_structure(new_state, inner_state):
@@ -185,7 +197,7 @@ def _gate_tree(finite, tree):
   to trace and lower, and an optimizer of 1000 leaves has thousands of inputs.
   """
   leaves, treedef = jax.tree.flatten(tree)
-  floating = [i for i, x in enumerate(leaves) if _scaler._is_floating(x)]
+  floating = [i for i, x in enumerate(leaves) if _tree.is_floating(x)]
   gated = _no_derivative_unless(finite, [leaves[i] for i in floating])
   for i, x in zip(floating, gated):
     leaves[i] = x
@@ -243,7 +255,7 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
   # Field by field, not `jax.tree.map`: NNX Variables are pytree nodes
   # themselves, so a tree map would reach the arrays inside them and leave
   # the Variables in place.
-  return found[0]._make(_unwrap_variable(field) for field in found[0])
+  return found[0]._make(_tree.unwrap_variable(field) for field in found[0])
 
 
 _FIELDS = frozenset(_scaler.ScalerState._fields)
@@ -255,14 +267,3 @@ def _is_scaler(x) -> bool:
   if isinstance(x, _scaler.ScalerState):
     return True
   return isinstance(x, Mapping) and set(x.keys()) == _FIELDS
-
-
-def _unwrap_variable(leaf):
-  # NNX stores optimizer state leaves as Variables. Found through sys.modules:
-  # a Variable exists only once flax is imported, and jaxscale must not import it.
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is None or not isinstance(leaf, nnx.Variable):
-    return leaf
-  # `get_value` is flax >= 0.12.1, which deprecates `.value`; older ones have only `.value`.
-  get_value = getattr(leaf, "get_value", None)
-  return get_value() if callable(get_value) else leaf.value
