@@ -130,10 +130,12 @@ def _update_or_keep(finite, update, updates, inner_state, params):
   H100, ``bench.py --quick``, docs/benchmarks-h100.md) the select on the
   outputs, the pattern of Flax's ``DynamicScale``, cost 1.04x plain Adam
   (8M parameters, 48 leaves) where Keras's ``cond`` cost 1.06x; on a CPU the
-  ``cond`` measured 3.5x (benchmarks/NOTES.md #1). On XLA:CPU with donated
-  buffers the select costs copies of Adam's moments (NOTES.md #0), which the
-  full training step mostly hides (docs/performance.md). ``bench.py`` times
-  each mechanism as its own row, so that a GPU run can decide again.
+  ``cond`` measured 3.5x (benchmarks/NOTES.md #1). On XLA:CPU, with the
+  donated parameters and state, the select measured the same as the jaxpr
+  evaluation it replaced, in the Adam step alone (8M parameters, 48 leaves:
+  1.47x both, the same 4 copies) and in full LM training steps (the same
+  copies and fusions; NOTES.md #18). ``bench.py`` times each mechanism as its
+  own row, so that a GPU run can decide again.
 
   Derivatives through a skipped step (meta-learning, hyperparameter
   gradients) must be zero, not NaN: the updates are masked, but reverse mode
