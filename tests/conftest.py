@@ -30,13 +30,17 @@ def bits(tree):
   return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
-def assert_bitwise_equal(a, b):
-  """``a`` and ``b`` have the same structure, dtypes and bits, leaf by leaf."""
-  assert jax.tree.structure(a) == jax.tree.structure(b)
+def assert_bitwise_equal(a, b, what=""):
+  """``a`` and ``b`` have the same structure, dtypes, shapes and bits, leaf by leaf (PRNG keys by their data)."""
+  assert jax.tree.structure(a) == jax.tree.structure(b), what
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = as_numpy(x), as_numpy(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, what
+    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=what)
 
-  def same_bits(x, y):
-    x, y = np.atleast_1d(np.asarray(x)), np.atleast_1d(np.asarray(y))
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
 
-  jax.tree.map(same_bits, a, b)
+def as_numpy(x):
+  """A leaf as a NumPy array of at least one dimension; a PRNG key as its key data."""
+  if jax.numpy.issubdtype(jax.numpy.result_type(x), jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  return np.atleast_1d(np.asarray(x))
