@@ -4,7 +4,7 @@ Every variant of a configuration is compiled in this one process and timed in
 interleaved rounds (A B C A B C ...), so machine noise hits all alike; the
 table reports medians and each median's ratio to the plain optimizer's.
 
-    python benchmarks/bench.py --quick          # < 2 minutes
+    python benchmarks/bench.py --quick          # a few minutes on 2 CPU cores
     python benchmarks/bench.py                  # the full sweep (tens of minutes on 2 cores)
 
 Writes docs/benchmarks.json (the rows and how they were made), and from it docs/benchmarks.md and
@@ -547,7 +547,7 @@ def write_chart(rows, path, device=None):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true", help="a few configurations, in under 2 minutes")
+  parser.add_argument("--quick", action="store_true", help="a few configurations, in a few minutes")
   parser.add_argument("--reps", type=int, default=None, help="timed rounds per configuration")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs"))
   parser.add_argument("--replot", metavar="DATA.json",
