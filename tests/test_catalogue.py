@@ -27,7 +27,7 @@ import optax
 import pytest
 
 import jaxscale
-from conftest import as_numpy, assert_bitwise_equal
+from _bitwise import as_numpy, assert_bitwise_equal
 
 # Positive parameters, so positive gradients: optax 0.2.5's scale_by_distance_over_gradients takes
 # the square root of the gradients, and a NaN parameter would make the wrapper skip (rightly).

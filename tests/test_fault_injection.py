@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 import jaxscale
-from conftest import bits
+from _bitwise import bits
 
 STEPS = 300
 BURSTS = [(100, 12), (200, 12)]  # (first step, length): 2**10 -> 2**4 takes 6 back-offs

@@ -11,7 +11,7 @@ from flax import nnx
 from flax.training import train_state
 
 import jaxscale
-from conftest import assert_bitwise_equal
+from _bitwise import assert_bitwise_equal
 import jaxscale.flax
 
 IN, HIDDEN, OUT = 8, 16, 1

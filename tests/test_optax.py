@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxscale
-from conftest import assert_bitwise_equal, bits
+from _bitwise import assert_bitwise_equal, bits
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4), "b": jnp.arange(4, dtype=jnp.float32)}
 GRADS = jax.tree.map(lambda p: jnp.cos(p) * 2.0**-6, PARAMS)  # true gradients

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jaxscale
-from conftest import assert_bitwise_equal
+from _bitwise import assert_bitwise_equal
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.arange(3.0)}
 GRADS = jax.tree.map(lambda p: jnp.cos(p) * 2.0**-4, PARAMS)

@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import jaxscale
 from _reference import ReferenceScaler
-from conftest import bits
+from _bitwise import bits
 
 f32 = np.float32
 INT32_MAX = 2**31 - 1

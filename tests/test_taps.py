@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import jaxscale
-from conftest import assert_bitwise_equal
+from _bitwise import assert_bitwise_equal
 from _range_reference import reference
 
 SCALE = 2.0**10
