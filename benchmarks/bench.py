@@ -4,16 +4,18 @@ Every variant of a configuration is compiled in this one process and timed in
 interleaved rounds (A B C A B C ...), so machine noise hits all alike; the
 table reports medians and each median's ratio to the plain optimizer's.
 
-    python benchmarks/bench.py --quick          # < 2 minutes
+    python benchmarks/bench.py --quick          # a few minutes on 2 CPU cores
     python benchmarks/bench.py                  # the full sweep (tens of minutes on 2 cores)
 
-Writes docs/benchmarks.md and docs/benchmarks.png.
+Writes docs/benchmarks.json (the rows and how they were made), and from it docs/benchmarks.md and
+docs/benchmarks.png; `--replot docs/benchmarks.json` rewrites the last two from the first.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import platform
 import re
@@ -189,9 +191,75 @@ def keras_variant(opt, loss_scale):
   return init, step
 
 
+# ---------------------------------------------------------------- skip mechanisms
+# jaxscale's wrapper with another way to skip a step in place of its select on the inner update's
+# outputs (`_optax._update_or_keep`), swapped in while the step is traced: everything else (the
+# unscale, the check, the scaler's update) is the library's, so the rows differ only in the skip.
+
+
+def skip_by_cond(finite, update, updates, inner_state, params):
+  """A `lax.cond` around the inner update (Keras's and optax.apply_if_finite's mechanism)."""
+  new_updates, new_state = jax.eval_shape(update, updates, inner_state, params)
+
+  def keep(updates, inner_state, params):
+    del updates, params
+    return (jax.tree.map(lambda u: jnp.full(u.shape, -0.0, u.dtype), new_updates),
+            jax.tree.map(lambda old, new: old.astype(new.dtype), inner_state, new_state))
+
+  return jax.lax.cond(finite, update, keep, updates, inner_state, params)
+
+
+def skip_where_produced(finite, update, updates, inner_state, params):
+  """jaxscale 0.x's mechanism, kept here only to be timed: the inner update re-evaluated from its
+  jaxpr, each new state leaf selected the moment it is produced (JAX internals: `jax.extend.core`,
+  each equation's context). No derivative gates: timing only."""
+  from jax.extend import core as jex_core
+
+  closed, out_shape = jax.make_jaxpr(update, return_shape=True)(updates, inner_state, params)
+  n_updates = len(jax.tree.leaves(out_shape[0]))
+  state_vars = closed.jaxpr.outvars[n_updates:]
+  produced = {v for eqn in closed.jaxpr.eqns for v in eqn.outvars}
+  old = {v: o for v, o in zip(state_vars, jax.tree.leaves(inner_state)) if v in produced and state_vars.count(v) == 1}
+  env = dict(zip(closed.jaxpr.constvars, closed.consts))
+  env.update(zip(closed.jaxpr.invars, jax.tree.leaves((updates, inner_state, params))))
+  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+  for eqn in closed.jaxpr.eqns:
+    with eqn.ctx.manager:
+      outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+    for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
+      env[v] = jnp.where(finite, x, old[v]) if v in old else x
+  outs = [read(v) for v in closed.jaxpr.outvars]
+  new_updates = [jnp.where(finite, u, jnp.asarray(-0.0, u.dtype)) for u in outs[:n_updates]]
+  new_state = [x if isinstance(v, jex_core.Var) and v in old else jnp.where(finite, x, o)
+               for v, x, o in zip(state_vars, outs[n_updates:], jax.tree.leaves(inner_state))]
+  return jax.tree.unflatten(jax.tree.structure(out_shape), new_updates + new_state)
+
+
+def jaxscale_skipping_by(skip):
+  def variant(opt):
+    init, step = jaxscale_wrapper(opt)
+
+    def traced_with_skip(*args):
+      from jaxscale import _optax
+
+      library_skip, _optax._update_or_keep = _optax._update_or_keep, skip
+      try:
+        return step(*args)
+      finally:
+        _optax._update_or_keep = library_skip
+
+    return init, traced_with_skip
+
+  return variant
+
+
+# Name -> builder. A new peer is one more line here (and, if it steps on the true gradients, in
+# UNSCALED; if it needs an optional library, a guard in its builder).
 VARIANTS = {
     "plain": plain,
-    "jaxscale": jaxscale_wrapper,
+    "jaxscale": jaxscale_wrapper,  # skips by a select on the inner update's outputs
+    "jaxscale, skip by cond": jaxscale_skipping_by(skip_by_cond),
+    "jaxscale, skip where produced": jaxscale_skipping_by(skip_where_produced),
     "jmp+apply_if_finite": jmp_apply_if_finite,
     "flax DynamicScale": flax_dynamic_scale,
     "plain keras": functools.partial(keras_variant, loss_scale=False),
@@ -368,17 +436,39 @@ def device_name() -> str:
   return f"CPU: {name}"
 
 
-def write_markdown(rows, path, args):
-  device = jax.devices()[0]
+def run_info(args) -> dict:
+  """What produced the rows: the command, the versions and the device."""
+  keras = import_keras()
+  return dict(command="python benchmarks/bench.py" + (" --quick" if args.quick else ""), reps=args.reps,
+              jax=jax.__version__, optax=optax.__version__, keras=keras.__version__ if keras else None,
+              device=device_name(), platform=jax.devices()[0].platform)
+
+
+def write_data(rows, info, path):
+  """The rows and how they were made, as JSON: what `--replot` reads back."""
+  with open(path, "w") as f:
+    json.dump(dict(info, rows=rows), f, indent=1)
+    f.write("\n")
+
+
+def read_data(path):
+  with open(path) as f:
+    data = json.load(f)
+  return data.pop("rows"), data
+
+
+def write_markdown(rows, info, path):
+  quick = " (quick configurations)" if "--quick" in info["command"] else ""
   lines = [
-      "# Benchmarks",
+      f"# Benchmarks on {info['device'].split(': ', 1)[-1]}{quick}",
       "",
-      f"Generated by `python benchmarks/bench.py{' --quick' if args.quick else ''}` "
-      f"(jax {jax.__version__}, optax {optax.__version__}) on **{device_name()}**."
-      + (" No GPU was available for these figures." if device.platform == "cpu" else ""),
+      f"Generated by `{info['command']}` (jax {info['jax']}, optax {info['optax']}) on **{info['device']}**."
+      + (" No GPU was available for these figures." if info["platform"] == "cpu" else "")
+      + f" The rows as data: [{os.path.basename(os.path.splitext(path)[0])}.json]"
+      f"({os.path.basename(os.path.splitext(path)[0])}.json).",
       "",
       "Each configuration's variants were compiled in one process and timed in interleaved rounds "
-      f"({args.reps} rounds, medians). Ratios are to the plain optax optimizer on the true gradients; "
+      f"({info['reps']} rounds, medians). Ratios are to the plain optax optimizer on the true gradients; "
       "parameters and optimizer state are donated. The quartiles are those of each round's ratio "
       "to the plain step of the same round: how far this machine's noise moves a ratio. *copies* counts `copy` instructions in the "
       "optimized HLO (a copy of a donated buffer is an extra pass and an extra buffer). Memory "
@@ -386,8 +476,9 @@ def write_markdown(rows, path, args):
       "from `compiled.memory_analysis()`; a device's `memory_stats()` peak is the process's, "
       "shared by every variant).",
       "",
-      *keras_text(rows),
-      *flax_text(rows),
+      *skip_text(rows),
+      *keras_text(rows, info),
+      *missing_text(rows),
       "| problem | optimizer | params | leaves | variant | step ms | step ratio | rounds' ratios, quartiles | compile s | compile ratio | memory ratio | copies |",
       "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
@@ -402,13 +493,24 @@ def write_markdown(rows, path, args):
     f.write("\n".join(lines) + "\n")
 
 
-def keras_text(rows):
+def skip_text(rows):
+  """What the `jaxscale, skip ...` rows are."""
+  if not any(r["variant"].startswith("jaxscale, skip") for r in rows):
+    return []
+  return ["The *jaxscale, skip ...* rows are jaxscale with another way to skip a step in place of "
+          "its select on the inner update's outputs: a `lax.cond` around the inner update, or the "
+          "select where each state leaf is produced (jaxscale's earlier mechanism, a jaxpr "
+          "interpreter kept in `bench.py` only); everything else is the library's "
+          "([performance](performance.md#how-a-step-is-skipped)).", ""]
+
+
+def keras_text(rows, info):
   """What the keras rows are, or why there are none."""
   if not any(r["variant"] in KERAS_VARIANTS for r in rows):
     return ["Keras 3's `LossScaleOptimizer` is not included: keras 3 with the JAX backend could not "
             "be imported (`pip install keras`, an optional `bench` dependency).", ""]
   return [
-      f"Keras 3's `LossScaleOptimizer` (keras {import_keras().__version__}, JAX backend) runs through "
+      f"Keras 3's `LossScaleOptimizer` (keras {info['keras']}, JAX backend) runs through "
       "its `stateless_apply` in the same donated `jax.jit` step, with `initial_scale=2**15` so it "
       "unscales by the same scale as the others (it also halves on an overflow and doubles after "
       "2000 finite steps), and skips with an `ops.cond` (a `lax.cond`) around the whole update. "
@@ -422,16 +524,23 @@ def keras_text(rows):
   ]
 
 
-def flax_text(rows):
-  """Why the Flax pattern is missing at many leaves, where it is."""
+def missing_text(rows):
+  """Which variants some configurations leave out (the sweep's choice, explained in the docs)."""
   config = lambda r: (r["problem"], r["opt"], r["params"], r["leaves"])
-  with_flax = {config(r) for r in rows if r["variant"] == "flax DynamicScale"}
-  missing = sorted({r["leaves"] for r in rows if r["problem"] == "optimizer step" and config(r) not in with_flax})
-  if not missing:
-    return []
-  return [f"The Flax DynamicScale pattern is not run at {', '.join(map(str, missing))} leaves, on any device: "
-          "on a 2-core CPU, compiling it there did not finish within 2 minutes (3.7 GB resident at "
-          "2 minutes; one full sweep stopped there had 20 GB in use).", ""]
+  run = {(*config(r), r["variant"]) for r in rows}
+  configs = list(dict.fromkeys(config(r) for r in rows))
+  left_out = {}  # the configurations a variant misses -> the variants that miss exactly those
+  for v in dict.fromkeys(r["variant"] for r in rows):
+    missing = tuple(c for c in configs if (*c, v) not in run)
+    if missing:
+      left_out.setdefault(missing, []).append(f"*{v}*")
+  lines = []
+  for missing, variants in left_out.items():
+    names = ", ".join(variants[:-1]) + " and " + variants[-1] if len(variants) > 1 else variants[0]
+    where = ", ".join(f"{p} {o} {n / 1e6:.3g}M/{l}" for p, o, n, l in missing)
+    lines.append(f"{names} {'are' if len(variants) > 1 else 'is'} not run at {where} "
+                 "([why](performance.md#what-the-sweep-leaves-out)).")
+  return [" ".join(lines), ""] if lines else []
 
 
 def keras_table(rows):
@@ -453,21 +562,6 @@ def keras_table(rows):
       "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
       *lines,
   ]
-
-
-def rows_from_markdown(path):
-  """The rows of a table this script wrote, and the device it names: to redraw its chart."""
-  with open(path) as f:
-    text = f.read()
-  device = re.search(r"on \*\*(.+?)\*\*", text).group(1)
-  rows = []
-  for line in text.splitlines():
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    if len(cells) == 12 and cells[5][:1].isdigit():
-      q1, q3 = map(float, cells[7].split("-"))
-      rows.append(dict(problem=cells[0], opt=cells[1], params=float(cells[2].rstrip("M")) * 1e6, leaves=int(cells[3]),
-                       variant=cells[4], ratio=float(cells[6]), ratio_q1=q1, ratio_q3=q3))
-  return rows, device
 
 
 def write_chart(rows, path, device=None):
@@ -498,14 +592,17 @@ def write_chart(rows, path, device=None):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true", help="a few configurations, in under 2 minutes")
+  parser.add_argument("--quick", action="store_true", help="a few configurations, in a few minutes")
   parser.add_argument("--reps", type=int, default=None, help="timed rounds per configuration")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs"))
-  parser.add_argument("--replot", metavar="TABLE.md", help="redraw the chart of a table this script wrote, beside it")
+  parser.add_argument("--replot", metavar="DATA.json",
+                      help="rewrite the table and chart of rows this script wrote (its .json), beside them")
   args = parser.parse_args()
   if args.replot:
-    rows, device = rows_from_markdown(args.replot)
-    write_chart(rows, os.path.splitext(args.replot)[0] + ".png", device)
+    rows, info = read_data(args.replot)
+    stem = os.path.splitext(args.replot)[0]
+    write_markdown(rows, info, stem + ".md")
+    write_chart(rows, stem + ".png", info["device"])
     return
   args.reps = args.reps or (7 if args.quick else 15)
   all_variants = [v for v in VARIANTS if import_keras() or v not in KERAS_VARIANTS]
@@ -513,7 +610,8 @@ def main():
     print("keras 3 with the JAX backend is not importable: skipping", ", ".join(KERAS_VARIANTS), flush=True)
 
   if args.quick:
-    opt_configs = [("adam", 8_000_000, 48, all_variants), ("adam", 1_000_000, 1000, ["plain", "jaxscale"])]
+    opt_configs = [("adam", 8_000_000, 48, all_variants),
+                   ("adam", 1_000_000, 1000, ["plain", *(v for v in all_variants if v.startswith("jaxscale"))])]
     lm_configs = [("adam", 128, 2)]
   else:
     opt_configs = (
@@ -538,9 +636,11 @@ def main():
     rows += measure(config, lm_builders(opt, width, depth, all_variants), args.reps)
 
   os.makedirs(args.out, exist_ok=True)
-  write_markdown(rows, os.path.join(args.out, "benchmarks.md"), args)
-  write_chart(rows, os.path.join(args.out, "benchmarks.png"))
-  print("wrote", os.path.join(args.out, "benchmarks.md"), "and benchmarks.png")
+  stem, info = os.path.join(args.out, "benchmarks"), run_info(args)
+  write_data(rows, info, stem + ".json")
+  write_markdown(rows, info, stem + ".md")
+  write_chart(rows, stem + ".png", info["device"])
+  print("wrote", stem + ".json", ".md and .png")
 
 
 if __name__ == "__main__":

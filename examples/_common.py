@@ -181,13 +181,6 @@ def scale_or_auto(text: str) -> float | str:
   return value
 
 
-def regime(loss_weight: float) -> str:
-  """The loss weight's regime, for a figure's title."""
-  if loss_weight == 1:
-    return "the plain loss"
-  return f"loss x {loss_weight:g}: gradients {1 / loss_weight:g} times smaller, where float16 underflows"
-
-
 def selected_runs(args: argparse.Namespace) -> list[RunConfig]:
   if args.precision:
     return [precision_run(spec) for spec in args.precision]
@@ -318,57 +311,27 @@ def tensorboard_writer(logdir: str, run: str):
 
 
 def results_table(results: list[Result], *, last: int = 50) -> str:
-  """A Markdown table of the runs: final losses, skipped steps, scale, and step time apart from compilation."""
+  """A Markdown table of the runs: final losses (against float32's, where it ran), skipped steps, scale, and
+  step time apart from compilation."""
   metrics = list(results[0].eval_metrics[-1])
+  reference = next((r.eval_metrics[-1]["loss"] for r in results if r.name == RUNS[0].name), None)
   header = [
-      "run", *(f"held-out {m}" for m in metrics), f"train loss (mean of last {last} steps)", "skipped steps",
-      "final loss scale", "ms/step (median, after step 1)", "compile s (step 1 minus median)",
+      "run", *(f"held-out {m}" for m in metrics), *(["held-out loss vs float32"] if reference else []),
+      f"train loss (mean of last {last} steps)", "skipped steps", "final loss scale",
+      "ms/step (median, after step 1)", "compile s (step 1 minus median)",
   ]
   rows = []
   for r in results:
     tail = r.loss[-last:]
     train = float(np.mean(tail[np.isfinite(tail)])) if np.isfinite(tail).any() else math.nan
+    versus = [f"{r.eval_metrics[-1]['loss'] / reference - 1:+.1%}"] if reference else []
     rows.append(
-        [r.name, *(f"{r.eval_metrics[-1][m]:.4f}" for m in metrics), f"{train:.4f}",
+        [r.name, *(f"{r.eval_metrics[-1][m]:.4f}" for m in metrics), *versus, f"{train:.4f}",
          str(int(r.final_metrics["skipped_steps"])),
          f"{r.final_scale:g}", f"{r.ms_per_step:.1f}", f"{r.compile_s:.1f}"]
     )
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
-def summary(results: list[Result], *, tolerance: float = 0.02) -> str:
-  """One sentence saying what the table shows, from its held-out losses.
-
-  A run "matches" float32 when its final held-out loss is within ``tolerance``
-  (relative) of float32's; one run per precision cannot resolve finer than that.
-  """
-  held_out = {r.name: r.eval_metrics[-1]["loss"] for r in results}
-  if RUNS[0].name not in held_out or len(held_out) < 2:
-    return "Run float32 and another precision (--runs 0,1,2, or --precision float32 --precision ...) for a comparison."
-  ref = held_out.pop(RUNS[0].name)
-
-  def versus(name: str) -> str:
-    loss = held_out[name]
-    if not math.isfinite(loss):
-      return f"{name} diverged (held-out loss {loss})"
-    change = (loss - ref) / ref
-    where = "matches float32" if abs(change) <= tolerance else ("loses to float32" if change > 0 else "beats float32")
-    return f"{name} {where} ({loss:.3f}, {change:+.1%})"
-
-  clauses = []
-  for r in (r for r in results if r.name != RUNS[0].name):
-    clauses.append(versus(r.name))
-    if r.scaling:
-      skips = int(r.final_metrics["skipped_steps"])
-      clauses[-1] += f" with {skips} skipped step{'' if skips == 1 else 's'}"
-  unscaled, with_jaxscale = held_out.get(RUNS[1].name), held_out.get(RUNS[2].name)
-  if unscaled is not None and with_jaxscale is not None:
-    lost = not math.isfinite(unscaled) or unscaled > ref * (1 + tolerance)
-    if lost and abs(with_jaxscale - ref) <= tolerance * ref:
-      clauses[-1] += ": loss scaling recovers what float16 alone loses"
-  listed = " and ".join([", ".join(clauses[:-1]), clauses[-1]] if len(clauses) > 2 else clauses)
-  return f"Against float32's held-out loss of {ref:.3f}, {listed}."
 
 
 def _pyplot():

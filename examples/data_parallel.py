@@ -38,17 +38,15 @@ from jax.sharding import PartitionSpec as P
 
 import jaxscale
 
+import _common  # examples/, on the path when this file runs as a script
+
 IN, HIDDEN, OUT = 32, 256, 8
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-  """``--help`` keeps the commands' line breaks and shows every flag's default."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   description, commands = __doc__.split("\nCommands", 1)
   parser = argparse.ArgumentParser(
-      description=description, epilog="commands" + commands, formatter_class=_HelpFormatter
+      description=description, epilog="commands" + commands, formatter_class=_common.HelpFormatter
   )
   parser.add_argument("--steps", type=int, default=300, help="training steps")
   parser.add_argument("--batch-size", type=int, default=256, help="global batch, over all devices")

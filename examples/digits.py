@@ -13,9 +13,6 @@ The Linen recipe is in `make_train_step`; see also `jaxscale.flax`.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import textwrap
 
 import flax.linen as nn
 import jax
@@ -27,8 +24,7 @@ from sklearn.datasets import load_digits
 
 import jaxscale
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
+import _common  # examples/, on the path when this file runs as a script
 
 
 class CNN(nn.Module):
@@ -127,12 +123,11 @@ def main(argv=None):
     traces.assert_once()
 
   if not args.no_plot:
-    _common.plot_runs(results, args.out, title=f"CNN on sklearn digits\n{_common.regime(args.loss_weight)}")
+    _common.plot_runs(results, args.out, title=f"CNN on sklearn digits, loss x {args.loss_weight:g}")
   print(f"\nCNN (width {args.width}) on sklearn digits, {len(train_idx)} train / {len(test)} held-out images, "
         f"batch {args.batch}, {args.steps} steps, loss weight {args.loss_weight:g}\n")
   print(_common.results_table(results))
   # 360 held-out images: runs that differ only in rounding end a few percent apart in held-out loss.
-  print("\n" + textwrap.fill(_common.summary(results, tolerance=0.05), 100))
   return results
 
 

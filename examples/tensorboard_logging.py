@@ -19,6 +19,8 @@ import optax
 
 import jaxscale
 
+import _common  # examples/, on the path when this file runs as a script
+
 
 def summary_writer(logdir: str):
   try:
@@ -52,12 +54,8 @@ def mlp(params, x):  # no dtype anywhere: autocast decides
   return x @ params[-1]["w"] + params[-1]["b"]
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-  """Shows the defaults, and the description as written."""
-
-
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=_common.HelpFormatter)
   parser.add_argument("--logdir", default="runs/jaxscale", help="where tensorboardX writes its event file")
   parser.add_argument("--steps", type=int, default=500, help="training steps")
   parser.add_argument("--log-every", type=int, default=25, help="read the metrics on the host every N steps")
@@ -79,7 +77,7 @@ def main(argv=None):
   @jax.jit
   def train_step(params, opt_state):
     scaler = jaxscale.find_scaler(opt_state)
-    loss_fn = lambda p: jaxscale.scale(scaler, jnp.mean((apply(p, x) - y) ** 2))  # noqa: E731
+    loss_fn = lambda p: jaxscale.scale(scaler, jnp.mean((apply(p, x) - y) ** 2))
     scaled_loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     metrics = {"loss": scaled_loss / scaler.scale, **jaxscale.metrics(opt_state)}

@@ -98,7 +98,7 @@ def _capabilities(device) -> tuple[bool, bool]:
       return False, True
     if platform in ("gpu", "cuda", "rocm"):
       return _gpu_capabilities(device)
-  except Exception:  # noqa: BLE001 -- documented: never raises
+  except Exception:  # documented: never raises
     pass
   return False, False
 
@@ -121,5 +121,5 @@ def _read(device, name) -> Any:
   """``getattr`` that turns a missing or failing attribute into None."""
   try:
     return getattr(device, name, None)
-  except Exception:  # noqa: BLE001
+  except Exception:
     return None

@@ -40,6 +40,13 @@ class MasterWeightsState(NamedTuple):
   master: Any  # like params: a float32 copy of each 16-bit leaf, `optax.MaskedNode()` elsewhere
   inner_state: optax.OptState
 
+  # Read by `dynamic_loss_scaling`, which refuses to wrap this state: inside it, the scaler would
+  # unscale the float16 gradients in float16, flushing the small ones before the master sees them.
+  not_inside_dynamic_loss_scaling = (
+      "`dynamic_loss_scaling(master_weights(inner))` unscales float16 gradients in float16, where small "
+      "ones flush to zero; nest them the other way round: `master_weights(dynamic_loss_scaling(inner))`."
+  )
+
 
 def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` on a float32 master copy of float16 / bfloat16 parameters.
@@ -130,18 +137,3 @@ def _with_master(params, master):
 
 def _is_narrow(x) -> bool:
   return _policy.is_floating_array(x) and jnp.finfo(x.dtype).bits < 32
-
-
-def refuse_inside_scaler(inner_state: Any) -> None:
-  """Raises if ``master_weights`` was nested inside ``dynamic_loss_scaling``.
-
-  Inside, the scaler would unscale the float16 gradients in float16, flushing
-  the small ones to zero before the master copy ever sees them.
-  """
-  is_master = lambda x: isinstance(x, MasterWeightsState)  # noqa: E731
-  if any(is_master(x) for x in jax.tree.leaves(inner_state, is_leaf=is_master)):
-    raise ValueError(
-        "`dynamic_loss_scaling(master_weights(inner))` unscales float16 gradients in "
-        "float16, where small ones flush to zero; nest them the other way round: "
-        "`master_weights(dynamic_loss_scaling(inner))`."
-    )

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import collections
-import logging
-import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.core import Tracer
 
-from jaxscale import _master, _scaler
+from jaxscale import _scaler, _tree
 
 
 class DynamicLossScalingState(NamedTuple):
@@ -97,7 +93,7 @@ def dynamic_loss_scaling(
 
   def init_fn(params):
     inner_state = inner.init(params)
-    _master.refuse_inside_scaler(inner_state)
+    _refuse_what_must_not_be_inside(inner_state)
     return DynamicLossScalingState(_scaler.init(**init_options), inner_state)
 
   def update_fn(updates, state, params=None, *, finite=None, **extra_args):
@@ -123,50 +119,53 @@ def dynamic_loss_scaling(
 def _update_or_keep(finite, update, updates, inner_state, params):
   """``update(updates, inner_state, params)`` if ``finite``, else ``(-0.0, inner_state)``.
 
-  Why not simply ``jnp.where(finite, new, old)`` on the outputs: Adam's new
-  parameters are computed from the new moments, and with the select in
-  between XLA recomputes them from the old moments, which the select fusion
-  overwrites in place in the donated buffers; to keep them readable it copies
-  every moment first (4.6x plain Adam). A ``lax.cond`` instead materialises
-  the updates at its boundary, where they can no longer fuse into
-  ``apply_updates`` (1.3x). So the select goes where each new state leaf is
-  *produced*: ``update`` runs from its jaxpr, and each new state value is
-  replaced by ``where(finite, new, old)`` the moment it exists, before
-  anything reads it. The updates are then computed from the selected state,
-  which XLA writes in place exactly as it writes the unwrapped optimizer's
-  (benchmarks/NOTES.md). On a finite step every value equals the unwrapped
-  one; on a skipped step the state is the old one and the updates are
-  masked, whatever they read.
+  ``update`` runs on every step, and a select on its outputs keeps the old
+  state and masks the updates when ``finite`` is False: public JAX only, one
+  compiled step with no branch and no host sync, and the same algorithm
+  eagerly and under ``jit``. On a skipped step ``update`` is fed zero
+  gradients, so what it computes from values it closes over (a traced
+  learning rate) stays finite.
 
-  Evaluating a jaxpr equation by equation uses JAX internals
-  (``jax.extend.core``, each equation's context): if that fails on some JAX
-  release, the select falls back to the outputs (correct, and slower).
+  Why a select rather than a ``lax.cond``: on the one GPU measured (NVIDIA
+  H100, ``bench.py --quick``, docs/benchmarks-h100.md) the select on the
+  outputs, the pattern of Flax's ``DynamicScale``, cost 1.04x plain Adam
+  (8M parameters, 48 leaves) where Keras's ``cond`` cost 1.06x; on a CPU the
+  ``cond`` measured 3.5x (benchmarks/NOTES.md #1). On XLA:CPU, with the
+  donated parameters and state, the select measured the same as the jaxpr
+  evaluation it replaced, in the Adam step alone (8M parameters, 48 leaves:
+  1.47x both, the same 4 copies) and in full LM training steps (the same
+  copies and fusions; NOTES.md #18). ``bench.py`` times each mechanism as its
+  own row, so that a GPU run can decide again.
 
   Derivatives through a skipped step (meta-learning, hyperparameter
   gradients) must be zero, not NaN: the updates are masked, but reverse mode
   multiplies their zero cotangent by the derivatives of whatever ``update``
   computed from the inf gradients or the old state (Adam's bias correction
   at count 0 is 0/0): the ``where`` trap. So every input of ``update`` passes
-  through :func:`_no_derivative_unless`, which is the identity (no op in
-  the compiled step) but stops those cotangents on a skipped step; the
-  selected state keeps its derivative with respect to the old state. The
-  plain path also runs ``update`` on zero gradients when skipping, for the
-  values ``update`` closes over (a traced learning rate), which it cannot gate.
+  through :func:`_no_derivative_unless`, the identity (no op in the compiled
+  step) whose derivative is zero on a skipped step; the kept state keeps its
+  derivative with respect to the old state.
   """
-  if not any(isinstance(x, Tracer) for x in jax.tree.leaves((updates, inner_state, finite))):
-    # Op by op (eagerly, or under `disable_jit`) there are no buffers to
-    # reuse, and the jaxpr's jitted sub-calls would round differently.
-    return _select_outputs(finite, update, updates, inner_state, params)
-  closed, out_shape = jax.make_jaxpr(update, return_shape=True)(updates, inner_state, params)
-  _check_state_structure(out_shape[1], inner_state)
-  try:
-    return _select_where_produced(finite, closed, out_shape, (updates, inner_state, params))
-  except Exception as error:  # noqa: BLE001 - any failure of the evaluator, never of `update`
-    _log.debug("jaxscale: selecting on the outputs of the inner update (%r)", error)
-    return _select_outputs(finite, update, updates, inner_state, params)
+  zeroed = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)) if _tree.is_floating(u) else u, updates)
+  new_updates, new_state = update(*_gate_tree(finite, (zeroed, inner_state, params)))
+  _check_state_structure(new_state, inner_state)
+  return (
+      jax.tree.map(lambda u: _mask(finite, u, jnp.result_type(u)), new_updates),
+      jax.tree.map(lambda n, o: _keep_if_skipped(finite, n, o, jnp.result_type(n)), new_state, inner_state),
+  )
 
 
-_log = logging.getLogger(__name__)
+def _refuse_what_must_not_be_inside(inner_state):
+  """Raises the error a state type names in its ``not_inside_dynamic_loss_scaling`` class attribute.
+
+  A wrapper whose state must never be wrapped in this one (``master_weights``:
+  the scaler would unscale its float16 gradients in float16) says so on its
+  state's type, so that this module need not know it.
+  """
+  refuses = lambda x: isinstance(getattr(type(x), "not_inside_dynamic_loss_scaling", None), str)
+  for leaf in jax.tree.leaves(inner_state, is_leaf=refuses):
+    if refuses(leaf):
+      raise ValueError(type(leaf).not_inside_dynamic_loss_scaling)
 
 
 def _check_state_structure(new_state, inner_state):
@@ -200,7 +199,7 @@ def _gate_tree(finite, tree):
   to trace and lower, and an optimizer of 1000 leaves has thousands of inputs.
   """
   leaves, treedef = jax.tree.flatten(tree)
-  floating = [i for i, x in enumerate(leaves) if _scaler._is_floating(x)]
+  floating = [i for i, x in enumerate(leaves) if _tree.is_floating(x)]
   gated = _no_derivative_unless(finite, [leaves[i] for i in floating])
   for i, x in zip(floating, gated):
     leaves[i] = x
@@ -214,75 +213,6 @@ def _mask(finite, u, dtype):
 
 def _keep_if_skipped(finite, new, old, dtype):
   return jnp.where(finite, jnp.asarray(new, dtype), jnp.asarray(old, dtype))
-
-
-def _select_outputs(finite, update, updates, inner_state, params):
-  """The plain select on ``update``'s outputs: the eager path and the fallback."""
-  zeroed = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)) if _scaler._is_floating(u) else u, updates)
-  new_updates, new_state = update(*_gate_tree(finite, (zeroed, inner_state, params)))
-  _check_state_structure(new_state, inner_state)
-  return (
-      jax.tree.map(lambda u: _mask(finite, u, jnp.result_type(u)), new_updates),
-      jax.tree.map(lambda n, o: _keep_if_skipped(finite, n, o, jnp.result_type(n)), new_state, inner_state),
-  )
-
-
-def _select_where_produced(finite, closed, out_shape, args):
-  """The fast path: evaluates ``closed``, selecting each state leaf where it is produced."""
-  from jax.extend import core as jex_core  # noqa: PLC0415 - inside the fallback's reach
-
-  n_updates = len(jax.tree.leaves(out_shape[0]))
-  out_avals = jax.tree.leaves(out_shape)
-  state_vars = closed.jaxpr.outvars[n_updates:]
-  old_leaves = jax.tree.leaves(args[1])
-  produced = {v for eqn in closed.jaxpr.eqns for v in eqn.outvars}
-  # Literals (a constant new state) are not variables; they are selected at the end.
-  repeats = collections.Counter(v for v in state_vars if isinstance(v, jex_core.Var))
-  # A leaf passed through unchanged, or output twice, is selected at the end.
-  old_of = {
-      v: (old, aval.dtype)
-      for v, old, aval in zip(state_vars, old_leaves, out_avals[n_updates:])
-      if isinstance(v, jex_core.Var) and v in produced and repeats[v] == 1
-  }
-
-  selected = {}
-
-  def on_output(v, x):
-    if v not in old_of:
-      return x
-    old, dtype = old_of[v]
-    selected[v] = _keep_if_skipped(finite, x, old, dtype)
-    return _no_derivative_unless(finite, selected[v])  # what later equations read
-
-  consts, inputs = _gate_tree(finite, (closed.consts, jax.tree.leaves(args)))
-  outs = _eval_jaxpr(closed.jaxpr, consts, inputs, on_output=on_output)
-  new_updates = [_mask(finite, u, aval.dtype) for u, aval in zip(outs[:n_updates], out_avals)]
-  new_state = [
-      selected[v] if isinstance(v, jex_core.Var) and v in old_of else _keep_if_skipped(finite, x, old, aval.dtype)
-      for v, x, old, aval in zip(state_vars, outs[n_updates:], old_leaves, out_avals[n_updates:])
-  ]
-  return jax.tree.unflatten(jax.tree.structure(out_shape), new_updates + new_state)
-
-
-def _eval_jaxpr(jaxpr, consts, args, *, on_output):
-  """``jax.core.eval_jaxpr``, passing each equation's outputs through ``on_output``."""
-  from jax.extend import core as jex_core  # noqa: PLC0415
-
-  env = dict(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-
-  def read(v):
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-  for eqn in jaxpr.eqns:
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    # Older jax releases return `(subfuns, params)`; newer ones fold subfuns into params.
-    subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-    with eqn.ctx.manager:
-      outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
-    for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
-      env[v] = on_output(v, x)
-  return [read(v) for v in jaxpr.outvars]
 
 
 def find_scaler(opt_state: Any) -> _scaler.ScalerState:
@@ -327,7 +257,7 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
   # Field by field, not `jax.tree.map`: NNX Variables are pytree nodes
   # themselves, so a tree map would reach the arrays inside them and leave
   # the Variables in place.
-  return found[0]._make(_unwrap_variable(field) for field in found[0])
+  return found[0]._make(_tree.unwrap_variable(field) for field in found[0])
 
 
 _FIELDS = frozenset(_scaler.ScalerState._fields)
@@ -339,14 +269,3 @@ def _is_scaler(x) -> bool:
   if isinstance(x, _scaler.ScalerState):
     return True
   return isinstance(x, Mapping) and set(x.keys()) == _FIELDS
-
-
-def _unwrap_variable(leaf):
-  # NNX stores optimizer state leaves as Variables. Found through sys.modules:
-  # a Variable exists only once flax is imported, and jaxscale must not import it.
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is None or not isinstance(leaf, nnx.Variable):
-    return leaf
-  # `get_value` is flax >= 0.12.1, which deprecates `.value`; older ones have only `.value`.
-  get_value = getattr(leaf, "get_value", None)
-  return get_value() if callable(get_value) else leaf.value

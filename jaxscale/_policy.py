@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale import _tree
+
 T = TypeVar("T")
 
 _NAMES = {
@@ -112,7 +114,7 @@ def is_floating_array(x) -> bool:
 
   Arrays only: a Flax Linen module configured with ``dtype=`` has a ``dtype`` too.
   """
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and _tree.is_floating(x, real=True)
 
 
 def get_policy(spec: Union[str, Policy]) -> Policy:

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale import _tree
+
 # The histogram's bins: bin i counts |x * scale| in [2**e, 2**(e + 1)) for
 # e = HISTOGRAM_EXPONENTS[i], every binade of float32 from its smallest
 # subnormal (2**-149) to its largest normal.
@@ -154,7 +156,7 @@ def _stats(counts: dict[str, jax.Array], leaves: Any = None) -> RangeStats:
 
 
 def _is_floating(x: Any) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+  return _tree.is_floating(x, real=True)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))

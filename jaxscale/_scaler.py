@@ -32,6 +32,8 @@ import numpy as np
 import optax
 from jax.core import Tracer
 
+from jaxscale._tree import is_floating as _is_floating
+
 StallPolicy = Literal["skip", "raise"]
 
 
@@ -191,9 +193,6 @@ def configure(state: ScalerState, **options: Any) -> ScalerState:
     ``state`` with those options replaced, every leaf still a scalar array of
     its dtype.
 
-  Raises:
-    ValueError: if an option is unknown or out of range.
-
   Examples:
     >>> import jaxscale
     >>> state = jaxscale.configure(jaxscale.init(), scale=128.0, growth_interval=10)
@@ -234,7 +233,7 @@ def _validate(given: dict[str, Any], current: dict[str, Any], *, name_of_scale: 
   def shown(name):
     return name_of_scale if name == "scale" else name
 
-  stored = {name: _stored(shown(name), name, v, scalar=True) for name, v in given.items()}
+  stored = {name: _stored(shown(name), name, v) for name, v in given.items()}
   values = {name: v for name, v in {**current, **stored}.items() if not isinstance(v, Tracer)}
   values = {name: np.asarray(v) for name, v in values.items()}
 
@@ -277,7 +276,7 @@ def _show(x: np.ndarray) -> Any:
   return x.item() if x.shape == () else x
 
 
-def _stored(shown: str, name: str, value: Any, *, scalar: bool) -> Any:
+def _stored(shown: str, name: str, value: Any) -> Any:
   """``value`` converted to option ``name``'s storage dtype; TypeError/ValueError naming it."""
   dtype = np.dtype(_OPTION_DTYPES[name])
   wanted = "a bool" if dtype.kind == "b" else "a real number"
@@ -297,7 +296,7 @@ def _stored(shown: str, name: str, value: Any, *, scalar: bool) -> Any:
     array = np.asarray(math.inf if value > 0 else -math.inf)  # out of range, and may not fit NumPy
   else:
     array = np.asarray(value)
-  if scalar and array.shape != ():
+  if array.shape != ():
     raise ValueError(f"`{shown}` must be a scalar, got an array of shape {array.shape}.")
   if dtype.kind == "b":
     return array.astype(dtype)
@@ -594,9 +593,3 @@ def raise_if_stalled(state: ScalerState) -> None:
 def _wide(dtype) -> Any:
   """float16 and bfloat16 compute in float32; wider dtypes in themselves."""
   return jnp.float32 if jnp.finfo(dtype).bits < 32 else dtype
-
-
-def _is_floating(x) -> bool:
-  if isinstance(x, (bool, int)):
-    return False
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale import _range, _taps
+from jaxscale import _range, _taps, _tree
 
 DEFAULT_HEADROOM = 8.0
 _FALLBACK_SCALE = 2.0**16  # torch's init_scale, when the gradients say nothing
@@ -36,7 +36,7 @@ def _max_magnitude(tree: Any) -> jax.Array:
   for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, _range.RangeStats)):
     if isinstance(x, _range.RangeStats):
       maxima.append(jax.lax.bitcast_convert_type(x.max_magnitude, jnp.int32))
-    elif _range._is_floating(x):
+    elif _tree.is_floating(x, real=True):
       x = jnp.asarray(x)
       # Finite in its own dtype: a float64 1e300 must shrink the scale, though float32 holds it as inf.
       bits = _range._magnitude_bits(x.astype(jnp.float32)).astype(jnp.int32)

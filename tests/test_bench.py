@@ -6,6 +6,7 @@ meaningless; so would jaxscale's. The variants whose library is missing here are
 
 import importlib.util
 import pathlib
+import sys
 import types
 
 import jax
@@ -68,33 +69,32 @@ def test_an_inf_step_is_skipped_and_the_scale_backs_off(variant):
   assert float(bench._current_scale(new_state)) == float(bench._current_scale(state)) / 2
 
 
-def test_the_quick_page_and_chart_are_written(tmp_path):
+def test_the_quick_page_data_and_chart_are_written(tmp_path):
   pytest.importorskip("matplotlib")
   variants = ["plain", "jaxscale"]
   config = dict(problem="optimizer step", opt="adam", params=3000, leaves=3)
   rows = bench.measure(config, bench.optimizer_builders("adam", 3000, 3, variants), reps=2)
-  args = types.SimpleNamespace(quick=True, reps=2)
-  bench.write_markdown(rows, tmp_path / "benchmarks.md", args)
-  bench.write_chart(rows, tmp_path / "benchmarks.png")
+  info = bench.run_info(types.SimpleNamespace(quick=True, reps=2))
+  bench.write_data(rows, info, tmp_path / "benchmarks.json")
+  bench.write_markdown(rows, info, tmp_path / "benchmarks.md")
   page = (tmp_path / "benchmarks.md").read_text()
   assert "| optimizer step | adam | 0.0M | 3 | jaxscale |" in page
-  assert (tmp_path / "benchmarks.png").stat().st_size > 0
   assert [r["variant"] for r in rows] == variants
   # Each ratio is the variant's median over the plain one's, as the page prints them.
   plain, scaled = rows
   assert scaled["ratio"] == pytest.approx(scaled["ms"] / plain["ms"], rel=1e-9)
   assert f"| {scaled['ratio']:.2f} |" in page
-
-
-def test_a_written_page_reads_back_for_replotting(tmp_path):
-  rows = [dict(problem="optimizer step", opt="adam", params=8e6, leaves=48, variant=v, ms=ms, ratio=ms / 2.0,
-               ratio_q1=ms / 2.0 - 0.01, ratio_q3=ms / 2.0 + 0.02, compile_s=0.5, compile_ratio=1.0,
-               memory_ratio=1.0, copies=0) for v, ms in [("plain", 2.0), ("jaxscale", 2.5)]]
-  bench.write_markdown(rows, tmp_path / "benchmarks.md", types.SimpleNamespace(quick=True, reps=2))
-  read, device = bench.rows_from_markdown(tmp_path / "benchmarks.md")
-  assert device == bench.device_name()
-  assert [(r["variant"], r["params"], r["leaves"], r["ratio"], r["ratio_q1"], r["ratio_q3"]) for r in read] == [
-      ("plain", 8e6, 48, 1.0, 0.99, 1.02), ("jaxscale", 8e6, 48, 1.25, 1.24, 1.27)]
+  # The data reads back as written, and --replot rewrites the page from it alone.
+  read, read_info = bench.read_data(tmp_path / "benchmarks.json")
+  assert read == rows and read_info == info
+  (tmp_path / "benchmarks.md").unlink()
+  argv, sys.argv = sys.argv, ["bench.py", "--replot", str(tmp_path / "benchmarks.json")]
+  try:
+    bench.main()
+  finally:
+    sys.argv = argv
+  assert (tmp_path / "benchmarks.md").read_text() == page
+  assert (tmp_path / "benchmarks.png").stat().st_size > 0
 
 
 def test_the_mpx_lm_step_steps_like_jaxscales():
@@ -111,3 +111,9 @@ def test_the_mpx_lm_step_steps_like_jaxscales():
   # Both take Adam's first step on the same float16-computed gradients.
   for got, want in zip(jax.tree.leaves(stepped["mpx"][0]), jax.tree.leaves(stepped["jaxscale"][0]), strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_page_names_what_a_configuration_leaves_out():
+  row = lambda v, leaves: dict(problem="optimizer step", opt="adam", params=8e6, leaves=leaves, variant=v)
+  rows = [row("plain", 48), row("flax DynamicScale", 48), row("plain", 1000)]
+  assert bench.missing_text(rows)[0].startswith("*flax DynamicScale* is not run at optimizer step adam 8M/1000 (")

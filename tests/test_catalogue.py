@@ -27,6 +27,7 @@ import optax
 import pytest
 
 import jaxscale
+from _bitwise import as_numpy, assert_bitwise_equal
 
 # Positive parameters, so positive gradients: optax 0.2.5's scale_by_distance_over_gradients takes
 # the square root of the gradients, and a NaN parameter would make the wrapper skip (rightly).
@@ -150,7 +151,7 @@ def enumerate_catalogue():
         with warnings.catch_warnings():
           warnings.simplefilter("ignore", DeprecationWarning)
           tx = build()
-      except Exception as error:  # noqa: BLE001 - a function that is not a transformation factory
+      except Exception as error:  # a function that is not a transformation factory
         if annotated:
           missing.append(f"{name} ({type(error).__name__}: {error})")
         continue
@@ -167,25 +168,10 @@ def test_the_catalogue_is_complete():
   assert len(CATALOGUE) >= 100  # optax 0.2.5 has about 110 such functions
 
 
-def numpy(x):
-  """A leaf as a NumPy array; a PRNG key as its key data."""
-  if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  return np.atleast_1d(np.asarray(x))
-
-
-def assert_bitwise_equal(a, b, what):
-  assert jax.tree.structure(a) == jax.tree.structure(b), what
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    x, y = numpy(x), numpy(y)
-    assert x.dtype == y.dtype and x.shape == y.shape, what
-    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=what)
-
-
 def assert_close(a, b, what, rtol):
   assert jax.tree.structure(a) == jax.tree.structure(b), what
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    x, y = numpy(x), numpy(y)
+    x, y = as_numpy(x), as_numpy(y)
     assert x.dtype == y.dtype, what
     if jnp.issubdtype(x.dtype, jnp.inexact):
       np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-7, err_msg=what)

@@ -99,7 +99,7 @@ def run_page(path: pathlib.Path, name: str) -> list[str]:
     if block.language == "python":
       stdout = io.StringIO()
       with contextlib.redirect_stdout(stdout):
-        exec(compile("\n" * block.line + block.code, name, "exec"), namespace)  # noqa: S102
+        exec(compile("\n" * block.line + block.code, name, "exec"), namespace)
       last_output = stdout.getvalue()
     elif block.language == "pycon":
       test = doctest.DocTestParser().get_doctest(block.code, namespace, where, name, block.line)

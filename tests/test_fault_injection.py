@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 import jaxscale
+from _bitwise import bits
 
 STEPS = 300
 BURSTS = [(100, 12), (200, 12)]  # (first step, length): 2**10 -> 2**4 takes 6 back-offs
@@ -112,10 +113,6 @@ def poisoned_inputs(kind, x, y, params, rng):
 def all_finite_on_host(tree):
   return all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(tree)
              if np.issubdtype(np.asarray(leaf).dtype, np.floating))
-
-
-def bits(tree):
-  return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(tree)]
 
 
 def adam_count(opt_state):

@@ -11,6 +11,7 @@ from flax import nnx
 from flax.training import train_state
 
 import jaxscale
+from _bitwise import assert_bitwise_equal
 import jaxscale.flax
 
 IN, HIDDEN, OUT = 8, 16, 1
@@ -132,16 +133,25 @@ def test_nnx_optimizer(recipe):
   assert int(jaxscale.find_scaler(optimizer.opt_state).growth_tracker) == 20
 
 
-def test_find_scaler_unwraps_nnx_variables():
+def test_find_scaler_in_every_nnx_view_gives_plain_arrays():
+  """An nnx.Optimizer's opt_state, nnx.state, nnx.split and the OptState filter: the scaler as plain arrays,
+  bit for bit the one `init` builds, usable by `jaxscale.scale` eagerly and inside nnx.jit."""
   model = NNXMLP(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, jaxscale.dynamic_loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
-  scaler = jaxscale.find_scaler(optimizer.opt_state)
-  assert all(isinstance(leaf, jax.Array) for leaf in scaler)
-  assert repr(scaler.scale) == "Array(65536., dtype=float32)"
-  assert jaxscale.scale(scaler, jnp.float16(0.5)).dtype == jnp.float16
+  options = dict(init_scale=2.0**9, growth_interval=7)
+  optimizer = nnx.Optimizer(model, jaxscale.dynamic_loss_scaling(optax.sgd(0.1), **options), wrt=nnx.Param)
+  want = jaxscale.init(**options)
+  _, split_state = nnx.split(optimizer)
+  for where in [optimizer.opt_state, nnx.state(optimizer), split_state, nnx.state(optimizer, nnx.OptState)]:
+    found = jaxscale.find_scaler(where)
+    assert type(found) is jaxscale.ScalerState
+    assert all(isinstance(leaf, jax.Array) and not isinstance(leaf, nnx.Variable) for leaf in found)
+    assert_bitwise_equal(found, want)
+    assert jaxscale.scale(found, jnp.float16(0.5)).dtype == jnp.float16
+  plain = jaxscale.init(**options)  # with flax.nnx imported, plain arrays pass through untouched
+  assert all(a is b for a, b in zip(jaxscale.find_scaler({"s": plain}), plain))
 
   @nnx.jit
   def scaled(optimizer, loss):
     return jaxscale.scale(jaxscale.find_scaler(optimizer.opt_state), loss)
 
-  assert float(scaled(optimizer, jnp.float32(0.5))) == 2.0**15
+  assert float(scaled(optimizer, jnp.float32(0.5))) == 2.0**8

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxscale
+from _bitwise import assert_bitwise_equal, bits
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4), "b": jnp.arange(4, dtype=jnp.float32)}
 GRADS = jax.tree.map(lambda p: jnp.cos(p) * 2.0**-6, PARAMS)  # true gradients
@@ -16,15 +17,6 @@ GRADS = jax.tree.map(lambda p: jnp.cos(p) * 2.0**-6, PARAMS)  # true gradients
 
 def poisoned(tree, value=jnp.inf):
   return {**tree, "b": tree["b"].at[2].set(value)}
-
-
-def assert_bitwise_equal(a, b):
-  def same_bits(x, y):
-    x, y = np.atleast_1d(np.asarray(x)), np.atleast_1d(np.asarray(y))
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
-
-  jax.tree.map(same_bits, a, b)
 
 
 INNERS = {
@@ -143,31 +135,38 @@ def test_clipping_inside_sees_unscaled_gradients():
   assert_bitwise_equal(updates, want_updates)
 
 
+# Each composition built around an inner optimizer, given the wrapper (`with_scaler`) or nothing.
+# MultiSteps outside the wrapper is left to tests/test_accumulation.py: after an overflow it does not
+# train as the unwrapped composition does (optax's `(1 - emit) * acc` turns the inf into a NaN).
 COMPOSITIONS = {
-    "inside_chain": lambda: optax.chain(optax.identity(), jaxscale.dynamic_loss_scaling(optax.adam(1e-3))),
-    "around_chain": lambda: jaxscale.dynamic_loss_scaling(optax.chain(optax.add_decayed_weights(1e-4), optax.adam(1e-3))),
-    "inject_hyperparams_inside": lambda: jaxscale.dynamic_loss_scaling(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)),
-    "multi_steps_outside": lambda: optax.MultiSteps(jaxscale.dynamic_loss_scaling(optax.adam(1e-3)), 2),
-    "multi_steps_inside": lambda: jaxscale.dynamic_loss_scaling(optax.MultiSteps(optax.adam(1e-3), 2)),
-    "multi_transform_inside": lambda: jaxscale.dynamic_loss_scaling(
+    "inside_chain": lambda with_scaler: optax.chain(optax.identity(), with_scaler(optax.adam(1e-3))),
+    "around_chain": lambda with_scaler: with_scaler(optax.chain(optax.add_decayed_weights(1e-4), optax.adam(1e-3))),
+    "inject_hyperparams_inside": lambda with_scaler: with_scaler(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)),
+    "multi_steps_inside": lambda with_scaler: with_scaler(optax.MultiSteps(optax.adam(1e-3), 2)),
+    "multi_transform_inside": lambda with_scaler: with_scaler(
         optax.multi_transform({"a": optax.adam(1e-3), "s": optax.sgd(0.1)}, {"w": "a", "b": "s"})
     ),
 }
 
 
 @pytest.mark.parametrize("make_tx", COMPOSITIONS.values(), ids=COMPOSITIONS.keys())
-def test_compositions_find_the_scaler_skip_and_train(make_tx):
-  tx = make_tx()
+def test_compositions_skip_the_overflows_and_otherwise_train_as_the_unwrapped_composition(make_tx):
+  tx, unwrapped = make_tx(jaxscale.dynamic_loss_scaling), make_tx(lambda inner: inner)
   state, params = tx.init(PARAMS), PARAMS
   step = jax.jit(functools.partial(train_step, tx))
-  for grads in [GRADS, GRADS, poisoned(GRADS), poisoned(GRADS), GRADS, GRADS]:
+  finite = [jax.tree.map(lambda g, i=i: g * (1 + i), GRADS) for i in range(4)]  # four different batches
+  for grads in [finite[0], finite[1], poisoned(GRADS), poisoned(GRADS), finite[2], finite[3]]:
     params, state = step(params, state, grads)
   scaler = jaxscale.find_scaler(state)
-  assert int(scaler.skipped_steps) >= 1
-  assert float(scaler.scale) < 2.0**16
-  assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(params))
-  assert not all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(PARAMS)))
+  assert int(scaler.skipped_steps) == 2 and float(scaler.scale) == 2.0**14
   assert step._cache_size() == 1
+  # The reference: the composition without the wrapper, on the four finite batches only.
+  want, want_state = PARAMS, unwrapped.init(PARAMS)
+  for grads in finite:
+    updates, want_state = unwrapped.update(grads, want_state, want)
+    want = optax.apply_updates(want, updates)
+  assert not all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(PARAMS)))
+  jax.tree.map(lambda got, w: np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-9), params, want)
 
 
 def train_step(tx, params, state, true_grads):
@@ -235,3 +234,191 @@ def test_each_init_has_its_own_buffers():
   tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
   a, b = jax.tree.leaves(tx.init(PARAMS).scaler), jax.tree.leaves(tx.init(PARAMS).scaler)
   assert not {x.unsafe_buffer_pointer() for x in a} & {x.unsafe_buffer_pointer() for x in b}
+
+
+# --- the skip, on a small problem: the flag, the sign of a skipped update, state leaves, dtypes ------
+
+SMALL_PARAMS = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array([-0.0, 0.25])}
+SMALL_GRADS = {"w": jnp.array([0.5, 0.25, -1.0]), "b": jnp.array([0.0, 2.0])}
+JIT = {"eager": lambda f: f, "jit": jax.jit}
+
+
+def nan_in_w(tree):
+  return {**tree, "w": tree["w"].at[1].set(jnp.nan)}
+
+
+@pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
+def test_a_flag_passed_in_is_trusted_and_the_gradients_are_not_unscaled_again(wrap):
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**10)
+  state = tx.init(SMALL_PARAMS)
+  update = wrap(lambda g, s, finite: tx.update(g, s, SMALL_PARAMS, finite=finite))
+  # Already unscaled: taken as they are, not divided by 2**10 a second time.
+  updates, after = update(SMALL_GRADS, state, jnp.array(True))
+  np.testing.assert_array_equal(updates["w"], -SMALL_GRADS["w"])
+  assert not bool(after.scaler.last_skipped)
+  # The flag decides, even where the gradients themselves are finite ...
+  updates, after = update(SMALL_GRADS, state, jnp.array(False))
+  assert bool(after.scaler.last_skipped) and float(after.scaler.scale) == 2.0**9
+  assert all(not u.any() for u in jax.tree.leaves(updates))
+  # ... and a True flag is not overruled by a re-check of huge (but finite) unscaled gradients.
+  huge = jax.tree.map(lambda g: g * 2.0**120, SMALL_GRADS)
+  updates, after = update(huge, state, jnp.array(True))
+  np.testing.assert_array_equal(updates["w"], -huge["w"])
+  assert int(after.scaler.growth_tracker) == 1
+
+
+@pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
+def test_a_stalled_scaler_skips_every_later_step_in_the_wrapper(wrap):
+  tx = jaxscale.dynamic_loss_scaling(optax.adam(0.1), init_scale=2.0, min_scale=1.0, on_stall="raise")
+  update = wrap(lambda g, s: tx.update(g, s, SMALL_PARAMS))
+  state = tx.init(SMALL_PARAMS)
+  _, state = update(nan_in_w(SMALL_GRADS), state)  # 2 -> 1
+  _, state = update(nan_in_w(SMALL_GRADS), state)  # at the floor: stalled
+  assert bool(state.scaler.stalled)
+  updates, after = update(SMALL_GRADS, state)  # finite, but the run has stalled
+  assert all(not u.any() and np.signbit(u).all() for u in jax.tree.leaves(updates))
+  assert bits(after.inner_state) == bits(state.inner_state)
+  assert bool(after.scaler.last_skipped) and int(after.scaler.skipped_steps) == 3
+  with pytest.raises(FloatingPointError):
+    jaxscale.raise_if_stalled(after.scaler)
+
+
+@pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["f32", "f16", "bf16"])
+def test_skipped_updates_are_negative_zero_so_negative_zero_parameters_keep_their_sign(wrap, dtype):
+  params = jax.tree.map(lambda p: p.astype(dtype), SMALL_PARAMS)
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  state = tx.init(params)
+  grads = jax.tree.map(lambda g: g.astype(dtype), nan_in_w(SMALL_GRADS))
+  updates, _ = wrap(lambda g, s: tx.update(g, s, params))(grads, state)
+  for u in jax.tree.leaves(updates):
+    assert u.dtype == dtype and not u.any() and np.signbit(np.asarray(u, np.float32)).all()
+  new_params = optax.apply_updates(params, updates)
+  assert bits(new_params) == bits(params)  # -0.0 + +0.0 would be +0.0
+  assert np.signbit(np.asarray(new_params["b"][0], np.float32))
+
+
+def twice_and_once():
+  """An inner transformation whose new state holds one array twice (and an untouched leaf)."""
+
+  def init(params):
+    return (jnp.zeros(3), jnp.ones(3), jnp.full(3, 7.0))
+
+  def update(updates, state, params=None):
+    new = state[0] + state[1] + updates["w"]
+    return updates, (new, new, state[2])
+
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
+def test_a_state_leaf_output_twice_keeps_each_old_value_on_a_skipped_step(wrap):
+  tx = jaxscale.dynamic_loss_scaling(twice_and_once(), init_scale=4.0)
+  update = wrap(lambda g, s: tx.update(g, s))
+  state = tx.init(SMALL_PARAMS)
+  _, skipped = update(nan_in_w(SMALL_GRADS), state)
+  assert bits(skipped.inner_state) == bits(state.inner_state)  # (0, 1, 7), not (0, 0, 7) or (1, 1, 7)
+  _, taken = update(jax.tree.map(lambda g: g * 4.0, SMALL_GRADS), state)
+  want = 1.0 + SMALL_GRADS["w"]
+  for leaf, expected in zip(taken.inner_state, (want, want, jnp.full(3, 7.0))):
+    np.testing.assert_array_equal(leaf, expected)
+
+
+def test_the_skip_decision_does_not_depend_on_which_leaf_holds_the_nan():
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  update = jax.jit(lambda g, s: tx.update(g, s, SMALL_PARAMS))
+  state = tx.init(SMALL_PARAMS)
+  for leaf in SMALL_PARAMS:
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+      grads = {**SMALL_GRADS, leaf: SMALL_GRADS[leaf].at[0].set(bad)}
+      updates, after = update(grads, state)
+      assert bool(after.scaler.last_skipped), (leaf, bad)
+
+
+def test_find_scaler_counts_the_scalers_it_found():
+  with pytest.raises(ValueError) as caught:
+    jaxscale.find_scaler({"a": jaxscale.init(), "b": [jaxscale.init()]})
+  assert str(caught.value).startswith("`find_scaler` found 2 ScalerStates in an object of type dict;")
+
+
+@pytest.mark.parametrize("path", ["eager", "jit"])
+def test_a_learning_rate_closed_over_gets_a_zero_derivative_through_a_skipped_step(path):
+  # A skipped step runs the inner update on zeroed gradients: `lr * inf` would make d/dlr NaN, not 0.
+
+  def meta_loss(lr, grads):
+    tx = jaxscale.dynamic_loss_scaling(optax.sgd(lr), init_scale=4.0)
+    updates, _ = tx.update(grads, tx.init(SMALL_PARAMS), SMALL_PARAMS)
+    return sum(jnp.sum(p**2) for p in jax.tree.leaves(optax.apply_updates(SMALL_PARAMS, updates)))
+
+  grad = jax.grad(meta_loss)
+  if path == "jit":
+    grad = jax.jit(grad)
+  for bad in (jnp.inf, jnp.nan):
+    assert float(grad(jnp.float32(0.1), nan_in_w(SMALL_GRADS) | {"b": SMALL_GRADS["b"].at[0].set(bad)})) == 0.0
+  taken = float(grad(jnp.float32(0.1), jax.tree.map(lambda g: g * 4.0, SMALL_GRADS)))
+  want = sum(-2 * float(jnp.sum((p - 0.1 * g) * g)) for p, g in zip(jax.tree.leaves(SMALL_PARAMS), jax.tree.leaves(SMALL_GRADS)))
+  np.testing.assert_allclose(taken, want, rtol=1e-5)
+
+
+SKIP_INNERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "twice_and_once": twice_and_once,
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+    # An array the update closes over is a constant of the traced step.
+    "closes_over_an_array": lambda: optax.stateless(lambda u, p: {"w": u["w"] * jnp.array([0.5, 2.0, 1.0]), "b": u["b"]}),
+}
+
+
+@pytest.mark.parametrize("make", SKIP_INNERS.values(), ids=SKIP_INNERS.keys())
+def test_a_jitted_skipped_step_keeps_the_state_and_has_zero_derivatives(make):
+  tx = jaxscale.dynamic_loss_scaling(make(), init_scale=4.0)
+  state = tx.init(SMALL_PARAMS)
+  step = jax.jit(lambda g, s: tx.update(g, s, SMALL_PARAMS))
+  _, taken = step(jax.tree.map(lambda g: g * 4.0, SMALL_GRADS), state)
+  _, skipped = step(nan_in_w(SMALL_GRADS), taken)
+  assert bits(skipped.inner_state) == bits(taken.inner_state)
+  # Derivatives through the skip: finite, zero for the skipped step's gradients.
+  d = jax.grad(lambda g: sum(jnp.sum(u) for u in jax.tree.leaves(step(g, taken)[0])))(nan_in_w(SMALL_GRADS))
+  assert all(not np.asarray(x).any() for x in jax.tree.leaves(d))
+
+
+@pytest.mark.parametrize("path", ["jit", "eager"])
+def test_a_skipped_step_keeps_every_dtype(path):
+  """float16 parameters, an int32 step count: a skipped step's updates and state keep their dtypes."""
+  params = {"w": jnp.ones(3, jnp.float16), "b": jnp.zeros(2, jnp.float16)}
+  tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-2), init_scale=8.0)
+  state = tx.init(params)
+  grads = {"w": jnp.array([1.0, jnp.inf, 0.0], jnp.float16), "b": jnp.ones(2, jnp.float16)}
+  update = tx.update if path == "eager" else jax.jit(tx.update)
+  updates, new_state = update(grads, state, params)
+  assert jax.tree.map(lambda x: x.dtype, updates) == jax.tree.map(lambda x: x.dtype, params)
+  assert jax.tree.map(lambda x: x.dtype, new_state.inner_state) == jax.tree.map(lambda x: x.dtype, state.inner_state)
+  assert bool(new_state.scaler.last_skipped)
+
+
+def _changes_state_dtype():
+  """An inner transformation whose update returns its state in another dtype than `init` made it."""
+  init = lambda params: {"m": jnp.zeros(2, jnp.float32), "a": jnp.zeros(2, jnp.float32), "b": jnp.zeros(2, jnp.float32)}
+
+  def update(updates, state, params=None):
+    twice = (state["a"] + 2).astype(jnp.bfloat16)  # one value, output as two state leaves
+    return updates, {"m": (state["m"] + 1).astype(jnp.bfloat16), "a": twice, "b": twice}
+
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_a_skipped_step_keeps_the_dtypes_the_inner_update_returns(wrap):
+  grads = {"a": jnp.array([1.0, 2.0]), "i": jnp.array([3, 4], jnp.int32)}
+  for inner, state_dtype in [(optax.identity(), None), (_changes_state_dtype(), jnp.bfloat16)]:
+    tx = jaxscale.dynamic_loss_scaling(inner, init_scale=1.0)
+    step = wrap(lambda g, s: tx.update(g, s))
+    updates, taken = step(grads, tx.init(grads))
+    skipped_updates, skipped = step(grads | {"a": jnp.array([jnp.inf, 2.0])}, taken)
+    assert jaxscale.find_scaler(skipped).last_skipped
+    assert {k: v.dtype for k, v in skipped_updates.items()} == {"a": jnp.float32, "i": jnp.int32}
+    if state_dtype is not None:
+      for k in ("m", "a", "b"):
+        assert taken.inner_state[k].dtype == skipped.inner_state[k].dtype == state_dtype
+      assert bits(skipped.inner_state) == bits(taken.inner_state)

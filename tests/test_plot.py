@@ -3,21 +3,50 @@
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxscale
 import jaxscale.plot
 
 
-def test_range_histogram_writes_a_png(tmp_path):
-  g = {"a": jnp.array([1e-9, 1e-6, 0.0, 0.5]), "b": jnp.array([jnp.inf, 3e-5])}
-  runs = {"unscaled": {"a": jaxscale.range_stats(g["a"]), "b": jaxscale.range_stats(g["b"])},
-          "x 2^10": {"a": jaxscale.range_stats(g["a"], scale=1024.0)}}
+def expected_fractions(x):
+  """NumPy's count of each binade of |x| (exponent -> fraction of elements), and the zero and inf/NaN fractions."""
+  x = np.asarray(x, np.float64)
+  finite = x[np.isfinite(x) & (x != 0)]
+  exponents, counts = np.unique(np.floor(np.log2(np.abs(finite))).astype(int), return_counts=True)
+  return dict(zip(exponents.tolist(), (counts / x.size).tolist())), np.mean(x == 0), np.mean(~np.isfinite(x))
+
+
+def drawn(ax):
+  """What a panel shows per run: its stairs as {exponent: fraction} (nonzero steps), and its two bars."""
+  stairs = [p for p in ax.patches if type(p).__name__ == "StepPatch"]
+  runs = []
+  for stair, bars in zip(sorted(stairs, key=lambda p: p.get_zorder()), ax.containers):
+    data = stair.get_data()
+    histogram = {int(e): float(v) for v, e in zip(data.values, data.edges) if v}
+    runs.append((histogram, *(bar.get_height() for bar in bars)))
+  return runs
+
+
+def test_range_histogram_draws_each_runs_binades_zeros_and_overflows(tmp_path):
+  g = {"a": np.array([1e-9, 1e-6, 0.0, 0.5], np.float32), "b": np.array([np.inf, 3e-5], np.float32)}
+  runs = {"unscaled": {"a": jaxscale.range_stats(jnp.asarray(g["a"])), "b": jaxscale.range_stats(jnp.asarray(g["b"]))},
+          "x 2^10": {"a": jaxscale.range_stats(jnp.asarray(g["a"]), scale=1024.0)}}
   fig = jaxscale.plot.range_histogram(runs, path=tmp_path / "h.png", title="t", columns=1)
-  assert (tmp_path / "h.png").stat().st_size > 10_000
-  assert [ax.get_title() for ax in fig.axes if ax.get_visible() and ax.get_title()] == ["a", "b"]
-  single = jaxscale.plot.range_histogram({"one": jaxscale.range_stats(g)}, dtype=jnp.bfloat16)
-  assert len([ax for ax in single.axes if ax.get_visible()]) >= 1
+  panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible() and ax.get_title()}
+  assert list(panels) == ["a", "b"] and (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+  # Each run's stairs and bars are NumPy's counts of the same values (times the scale), as fractions.
+  for (histogram, zeros, nonfinite), x in zip(drawn(panels["a"]), (g["a"], g["a"] * 1024.0)):
+    want_histogram, want_zeros, want_nonfinite = expected_fractions(x)
+    assert histogram == pytest.approx(want_histogram) and zeros == want_zeros and nonfinite == want_nonfinite
+  ((histogram, zeros, nonfinite),) = drawn(panels["b"])  # the scaled run has no panel "b"
+  assert (histogram, zeros, nonfinite) == ({-16: 0.5}, 0.0, 0.5)
+  single = jaxscale.plot.range_histogram({"one": jaxscale.range_stats({k: jnp.asarray(v) for k, v in g.items()})},
+                                         dtype=jnp.bfloat16)
+  (histogram, zeros, nonfinite), = drawn(single.axes[0])
+  want_histogram, want_zeros, want_nonfinite = expected_fractions(np.concatenate([g["a"], g["b"]]))
+  assert histogram == pytest.approx(want_histogram) and (zeros, nonfinite) == (want_zeros, want_nonfinite)
   with pytest.raises(ValueError, match="`stats_by_run`"):
     jaxscale.plot.range_histogram({})
 

@@ -26,6 +26,8 @@ import optax
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import jaxscale
+from _reference import ReferenceScaler
+from _bitwise import bits
 
 f32 = np.float32
 INT32_MAX = 2**31 - 1
@@ -39,88 +41,21 @@ def inner():
   return optax.sgd(LR, momentum=MOMENTUM)
 
 
-class Model:
-  """The loss-scaling rule in plain Python, plus SGD with momentum on the parameters."""
+class Model(ReferenceScaler):
+  """The reference rule, plus SGD with momentum on the parameters (float64)."""
 
-  OPTIONS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
-             "min_scale", "max_scale", "dynamic", "growth_tracker")
-
-  def __init__(self, *, enabled, on_stall, init_scale, growth_factor, backoff_factor,
-               growth_interval, hysteresis, min_scale, max_scale, dynamic):
-    self.enabled = enabled
-    self.raise_on_stall = on_stall == "raise"
-    self.scale = f32(init_scale) if enabled else f32(1.0)
-    self.growth_factor, self.backoff_factor = f32(growth_factor), f32(backoff_factor)
-    self.growth_interval, self.hysteresis = int(growth_interval), int(hysteresis)
-    self.min_scale, self.max_scale = f32(min_scale), f32(max_scale)
-    self.dynamic = bool(dynamic)
-    self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
-    self.skipped_steps, self.last_skipped, self.stalled = 0, False, False
+  def __init__(self, **options):
+    super().__init__(**options)
     self.params = {k: np.asarray(v, np.float64) for k, v in PARAMS.items()}
     self.trace = {k: np.zeros_like(v) for k, v in self.params.items()}
     self.moved = 0.0  # sum of |updates| so far: bounds the float32 rounding the parameters gathered
 
-  @staticmethod
-  def valid(o):
-    """Whether options can work, as they will be stored (float32 / int32)."""
-    with np.errstate(over="ignore"):
-      scale, lo, hi = f32(o["scale"]), f32(o["min_scale"]), f32(o["max_scale"])
-      growth, backoff = f32(o["growth_factor"]), f32(o["backoff_factor"])
-    ints = [o["growth_interval"], o["hysteresis"]]
-    return (
-        np.isfinite(scale) and scale >= np.finfo(np.float32).tiny  # normal: no flushed reciprocal
-        and np.isfinite(growth) and growth > 1
-        and 0 < backoff < 1
-        and all(1 <= n <= INT32_MAX for n in ints)
-        and 0 <= o["growth_tracker"] <= INT32_MAX
-        and np.isfinite(lo) and lo >= 0 and hi > 0
-        and lo <= scale <= hi  # a back-off never raises the scale, a growth never lowers it
-    )
-
-  def options(self):
-    return {name: getattr(self, name) for name in self.OPTIONS}
-
-  def configure(self, **changes):
-    for name, value in changes.items():
-      if name == "scale":
-        if self.enabled:
-          self.scale = f32(value)
-      elif name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
-        setattr(self, name, f32(value))
-      elif name == "dynamic":
-        self.dynamic = bool(value)
-      else:
-        setattr(self, name, int(value))
-    if "hysteresis" in changes:  # a new tolerance starts full
-      self.hysteresis_tracker = self.hysteresis
-
   def step(self, finite, grads):
     """One step; returns whether the optimizer step was taken."""
-    if not self.enabled:
+    taken = self.update(finite)
+    if taken:
       self._sgd(grads)
-      return True
-    finite = finite and not self.stalled
-    if finite:
-      self.growth_tracker = min(self.growth_tracker + 1, INT32_MAX)
-      if self.dynamic and self.growth_tracker >= self.growth_interval:
-        with np.errstate(over="ignore"):
-          grown = self.scale * self.growth_factor
-        if np.isfinite(grown):
-          self.scale = min(grown, self.max_scale)
-        self.growth_tracker = 0
-        self.hysteresis_tracker = self.hysteresis
-      self._sgd(grads)
-    else:
-      at_floor = self.scale <= self.min_scale
-      self.skipped_steps = min(self.skipped_steps + 1, INT32_MAX)
-      self.growth_tracker = 0
-      self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
-      if self.dynamic and self.hysteresis_tracker == 0:
-        self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-      if self.raise_on_stall and self.dynamic and at_floor:
-        self.stalled = True
-    self.last_skipped = not finite
-    return finite
+    return taken
 
   def _sgd(self, grads):
     for k in self.params:
@@ -129,12 +64,6 @@ class Model:
       self.params[k] = self.params[k] - LR * self.trace[k]
       self.moved += float(np.max(np.abs(LR * self.trace[k]), initial=0.0))
 
-  def torch_dict(self):
-    if not self.enabled:
-      return {}
-    return {"scale": float(self.scale), "growth_factor": float(self.growth_factor),
-            "backoff_factor": float(self.backoff_factor), "growth_interval": self.growth_interval,
-            "_growth_tracker": self.growth_tracker}
 
 
 # One wrapper per value of `enabled` (the only option the wrapper reads at construction); every
@@ -216,10 +145,6 @@ def poison(data, grads):
   grads[leaf] = grads[leaf].copy()
   grads[leaf][index] = kind
   return grads
-
-
-def bits(tree):
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
 class ScalerMachine(RuleBasedStateMachine):

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import jaxscale
+from _bitwise import assert_bitwise_equal
 from _range_reference import reference
 
 SCALE = 2.0**10
@@ -29,12 +30,6 @@ def make_params(rng, widths=(16, 32, 32, 8)):
           for a, b in zip(widths[:-1], widths[1:])]
 
 
-def assert_bitwise(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-
-
 def assert_stats(stats, cotangent, dtype=np.float16):
   for field, value in reference(np.asarray(cotangent, np.float32), 1.0, dtype).items():
     # The reference is another program: XLA may round a float32 sum differently (min and max show it).
@@ -49,10 +44,10 @@ def test_plain_jax_taps_change_nothing_and_see_the_vjp(dtype):
   probes = jaxscale.tap_probes(["h0", "h1"])
   f = lambda *a: loss(*a, dtype=dtype)
   forward = jax.jit(lambda p, x, t: mlp(p, x, t, dtype=dtype))
-  assert_bitwise(forward(params, x, None), forward(params, x, probes))
+  assert_bitwise_equal(forward(params, x, None), forward(params, x, probes))
   tapped = jax.jit(jax.grad(f, argnums=(0, 2)))
   grads, stats = tapped(params, x, probes)
-  assert_bitwise(jax.jit(jax.grad(f))(params, x), grads)
+  assert_bitwise_equal(jax.jit(jax.grad(f))(params, x), grads)
 
   # The reference: the cotangent of h0 by hand, from jax.vjp of the rest of the network.
   h0 = jnp.tanh(x.astype(dtype) @ params[0][0].astype(dtype) + params[0][1].astype(dtype))
@@ -117,8 +112,8 @@ def test_linen_taps():
   probes = jaxscale.tap_probes(["hidden"])
   f = lambda params, taps: scaled_mse(module.apply(params, x, taps))
   grads, stats = jax.jit(jax.grad(f, argnums=(0, 1)))(params, probes)
-  assert_bitwise(jax.jit(jax.grad(f))(params, None), grads)
-  assert_bitwise(module.apply(params, x), module.apply(params, x, probes))
+  assert_bitwise_equal(jax.jit(jax.grad(f))(params, None), grads)
+  assert_bitwise_equal(module.apply(params, x), module.apply(params, x, probes))
   # The reference: the gradient of a zero added to the tapped activation (the examples' old way).
   delta = jnp.zeros((64, 32), jnp.float16)
   assert_stats(stats["hidden"], jax.grad(lambda d: scaled_mse(module.apply(params, x, delta=d)))(delta))
@@ -130,8 +125,8 @@ def test_nnx_taps():
   probes = jaxscale.tap_probes(["hidden"])
   grads, stats = nnx.jit(nnx.grad(lambda m, t: scaled_mse(m(x, t)), argnums=(0, 1)))(model, probes)
   plain = nnx.jit(nnx.grad(lambda m: scaled_mse(m(x))))(model)
-  assert_bitwise(nnx.state(plain), nnx.state(grads))
-  assert_bitwise(model(x), model(x, probes))
+  assert_bitwise_equal(nnx.state(plain), nnx.state(grads))
+  assert_bitwise_equal(model(x), model(x, probes))
   delta = jnp.zeros((64, 32), jnp.float16)
   cotangent = nnx.grad(lambda m, d: scaled_mse(m(x, delta=d)), argnums=1)(model, delta)
   assert_stats(stats["hidden"], cotangent)
