@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from jaxscale import _policy
+from jaxscale import _policy, _tree
 
 F = TypeVar("F", bound=Callable)
 
@@ -163,7 +163,8 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
     out_leaves, written = outs[: len(outs) - len(found["written"])], outs[len(outs) - len(found["written"]) :]
     for i, value in zip(found["written"], written):
       variable = variables[i]
-      _set(variable, value.astype(_get(variable).dtype) if _policy.is_floating_array(_get(variable)) else value)
+      old = _tree.unwrap_variable(variable)
+      _set(variable, value.astype(old.dtype) if _policy.is_floating_array(old) else value)
     return policy.cast_to_output(jax.tree.unflatten(found["out_tree"], out_leaves))
 
   return wrapped  # type: ignore[return-value]
@@ -346,13 +347,8 @@ def _nnx_variables(tree) -> dict:
   return found
 
 
-def _get(variable):
-  # `get_value`/`set_value` are flax >= 0.12.1, which deprecates `.value`.
-  get_value = getattr(variable, "get_value", None)
-  return get_value() if callable(get_value) else variable.value
-
-
 def _set(variable, value):
+  # `set_value` is flax >= 0.12.1, which deprecates `.value`.
   set_value = getattr(variable, "set_value", None)
   if callable(set_value):
     set_value(value)
