@@ -20,6 +20,7 @@ from jaxscale._metrics import metrics
 from jaxscale._policy import Policy, get_policy, needs_loss_scaling
 from jaxscale._autocast import autocast
 from jaxscale._master import MasterWeightsState, master_weights
+from jaxscale._lowp import LowPrecisionState, low_precision_state
 from jaxscale._device import recommended_policy, supports_bfloat16, supports_float16
 
 # Seeing the float16 range.
@@ -48,10 +49,12 @@ __all__ = (
     "value_and_grad",
     # Mixed precision around the scaler.
     "MasterWeightsState",
+    "LowPrecisionState",
     "Policy",
     "autocast",
     "get_policy",
     "master_weights",
+    "low_precision_state",
     "needs_loss_scaling",
     "recommended_policy",
     "supports_bfloat16",

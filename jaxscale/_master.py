@@ -309,7 +309,7 @@ def _skipped(inner_state) -> jax.Array:
   return functools.reduce(operator.or_, flags, jnp.asarray(False))
 
 
-def _raw_key(key) -> jax.Array:
+def _raw_key(key, who: str = "master_weights") -> jax.Array:
   """A raw ``uint32[2]`` PRNG key (what Orbax and ``jax.tree.map`` handle) from an int or a key."""
   if isinstance(key, (int, np.integer)):
     return jax.random.PRNGKey(int(key))
@@ -318,7 +318,7 @@ def _raw_key(key) -> jax.Array:
     key = jax.random.key_data(key)
   if key.dtype != jnp.uint32 or key.shape != (2,):
     raise ValueError(
-        f"`master_weights` got key of dtype {key.dtype} and shape {key.shape}; pass an int seed, "
+        f"`{who}` got key of dtype {key.dtype} and shape {key.shape}; pass an int seed, "
         "`jax.random.key(seed)` or `jax.random.PRNGKey(seed)`."
     )
   return key
