@@ -119,7 +119,7 @@ def low_precision_state(
     >>> updates  # Adam's first step, as in float32: -lr * g / (|g| + eps)
     Array([-0.00099999, -0.00099999, -0.00099999], dtype=float32)
     >>> state.inner_state[0].nu  # 16-bit values times a power-of-two scale
-    LowPrecisionArray(values=Array([16384., 16384., 16384.], dtype=bfloat16), scale=Array(6.1035156e-08, dtype=float32))
+    LowPrecisionArray(values=Array([16768, 16768, 16768], dtype=bfloat16), scale=Array(5.9604645e-08, dtype=float32))
   """
   name = jnp.dtype(dtype).name if _is_dtype(dtype) else None
   if name not in DTYPES:
