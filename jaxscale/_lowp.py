@@ -45,8 +45,14 @@ _TOP = 14
 # State types whose floating leaves are copies of the parameters (or anchors built from them):
 # 16 bits lose every update below half their ulp, the failure `master_weights` exists for.
 REFUSED = {
+    "COCOBState": "`optax.contrib.cocob` keeps the initial parameters `init_particles`",
+    "DoGState": "`optax.contrib.dog` keeps the initial parameters `init_params`",
+    "DoWGState": "`optax.contrib.dowg` keeps the initial parameters `init_params`",
+    "MechanicState": "`optax.contrib.mechanize` keeps the initial parameters `params_ref`",
+    "SAMState": "`optax.contrib.sam` keeps the parameters before its adversarial steps in `cache`",
+    "ScaleByDistanceOverGradientsState": "`optax.scale_by_distance_over_gradients` keeps the initial parameters `init_params`",
+    "ScaleByLBFGSState": "`optax.lbfgs` keeps the previous parameters `params`",
     "ScheduleFreeState": "`optax.contrib.schedule_free` keeps the parameters' average `z`",
-    "MechanicState": "`optax.contrib.mechanize` keeps a copy of the initial parameters `params_ref`",
 }
 
 
@@ -160,7 +166,7 @@ def _is_dtype(dtype) -> bool:
 
 def _stored(x) -> bool:
   """Whether a state leaf is stored in low precision: floating, wider than 16 bits, not a scalar."""
-  return _policy.is_floating_array(x) and jnp.finfo(x.dtype).bits > 16 and x.ndim > 0
+  return _policy.is_floating_array(x) and jnp.finfo(x.dtype).bits > 16 and x.ndim > 0 and x.size > 0
 
 
 def _is_array(x) -> bool:
