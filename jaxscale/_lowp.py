@@ -150,8 +150,13 @@ def low_precision_state(
     stored = _encode(new_inner, dtype, draw)
     # A scaler inside `inner` skipped: keep the stored state and the key, bit for bit.
     skipped = _master._skipped(new_inner)
+    # (Only what this wrapper stores: the scaler's own state has moved on.)
     keep = lambda old, new: jnp.where(skipped, old, new)
-    return updates, LowPrecisionState(jax.tree.map(keep, state.inner_state, stored), keep(state.key, key))
+    stored = jax.tree.map(
+        lambda old, new: jax.tree.map(keep, old, new) if _is_array(new) else new,
+        state.inner_state, stored, is_leaf=_is_array,
+    )
+    return updates, LowPrecisionState(stored, keep(state.key, key))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
