@@ -161,6 +161,7 @@ def master_weights(
       raise ValueError(
           "`master_weights` needs the parameters: call `tx.update(grads, opt_state, params)`."
       )
+    _check_params_match(params, state)
     full = _float32_params(params, state)
     grads = jax.tree.map(lambda g, p: g.astype(jnp.float32) if _is_narrow(p) else g, updates, params)
     inner_updates, inner_state = inner.update(grads, state.inner_state, full, **extra_args)
@@ -190,6 +191,27 @@ def master_weights(
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_params_match(params, state: MasterWeightsState) -> None:
+  """Raises if a parameter is no longer 16-bit where ``init`` kept a master or compensation for it
+  (or the other way round): a float32 update added without casting back (``p + u``) promotes it."""
+  kept = state.master if state.master is not None else state.compensation
+  if kept is None:
+    return
+  for path, (p, k) in _leaves_with_path(params, kept):
+    if _is_narrow(p) == isinstance(k, optax.MaskedNode):
+      raise ValueError(
+          f"`master_weights` was initialised with a {'float32' if _is_narrow(p) else '16-bit'} parameter at "
+          f"{jax.tree_util.keystr(path)}, and now gets one of dtype {p.dtype}. Keep each parameter's dtype "
+          "from step to step (`master_weights`' updates have it; add them with `optax.apply_updates`, "
+          "`eqx.apply_updates` or `p + u`, not after a cast to float32), or call `tx.init` again."
+      )
+
+
+def _leaves_with_path(params, kept):
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  return zip((path for path, _ in flat), zip((p for _, p in flat), treedef.flatten_up_to(kept)))
 
 
 def _float32_params(params, state: MasterWeightsState):

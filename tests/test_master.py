@@ -135,6 +135,18 @@ def test_a_parameter_beyond_the_range_saturates_and_comes_back(method, comes_bac
   assert np.all(np.abs(np.asarray(p, np.float64) - comes_back_to) <= (16 if method == "stochastic_rounding" else 0))
 
 
+@pytest.mark.parametrize("method", ["float32", "kahan"])
+def test_a_parameter_promoted_to_float32_is_an_error(method):
+  """What `eqx.apply_updates` did with float32 updates: the float16 model came back float32, and
+  master_weights went on training it in float32 without a word."""
+  params = {"w": jnp.ones(3, jnp.float16), "b": jnp.zeros(2)}
+  tx = jaxscale.master_weights(optax.sgd(0.1), method=method)
+  state = tx.init(params)
+  promoted = {**params, "w": params["w"].astype(jnp.float32)}
+  with pytest.raises(ValueError, match=r"initialised with a 16-bit parameter at \['w'\], and now gets one of dtype float32"):
+    tx.update(promoted, state, promoted)
+
+
 def test_an_unknown_method_or_a_stray_key_is_a_value_error():
   with pytest.raises(ValueError, match=r"method='fp32'.*'float32', 'kahan', 'stochastic_rounding'"):
     jaxscale.master_weights(optax.sgd(0.1), method="fp32")
