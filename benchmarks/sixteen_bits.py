@@ -33,7 +33,7 @@ def adam(lr=LR):
 
 def configurations():
   """name -> (parameter dtype, transformation factory)."""
-  scaled = lambda inner: jaxscale.dynamic_loss_scaling(inner, init_scale=2.0**10)  # noqa: E731
+  scaled = lambda inner: jaxscale.dynamic_loss_scaling(inner, init_scale=2.0**10)
   return {
       "float32": (jnp.float32, lambda: adam()),
       "float16 params, no compensation": (jnp.float16, lambda: rounded_to_params(scaled(adam()))),
@@ -187,7 +187,7 @@ def memory():
     n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
     for name, (dtype, make) in configs.items():
       tx = make()
-      params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes)
+      params = jax.tree.map(lambda s, dtype=dtype: jax.ShapeDtypeStruct(s.shape, dtype), shapes)
       state = jax.eval_shape(tx.init, params)
       nbytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves((params, state)))
       if model.startswith("Adam"):

@@ -7,7 +7,7 @@ power-of-two scale per tensor, and runs ``inner`` in float32 in between::
 
     state32 = values * scale                           # exact: scale is 2**k
     updates, state32 = inner.update(grads, state32, params)
-    scale = 2**(floor(log2(max|state32|)) - 14)        # max|x| / scale < 2**15
+    scale = 2**(floor(log2(max|state32|)) - 14)        # float16; 1 for bfloat16
     values = stochastic_round(state32 / scale, dtype)  # unbiased, from a key
 
 Why each piece (benchmarks/NOTES.md #18 has the measurements):
@@ -16,9 +16,11 @@ Why each piece (benchmarks/NOTES.md #18 has the measurements):
   below bfloat16's resolution (0.4%): rounded to nearest, a moment that should
   decay stays where it is and the step size with it. Rounded at random it
   decays on average, as the float32 one does.
-- The per-tensor scale: float16 spans 2**-24..65504 and a second moment of
-  gradients of 1e-4 is 1e-8; scaled so that its largest element sits just
-  below 2**15, a tensor keeps 29 binades of normal numbers below it.
+- The per-tensor scale, for float16 only: float16 spans 2**-24..65504 and a
+  second moment of gradients of 1e-4 is 1e-8; scaled so that its largest
+  element sits just below 2**15, a tensor keeps 29 binades of normal numbers
+  below it. bfloat16 has float32's range and needs none (and skipping the
+  reduction keeps the compiled step's temporaries smaller).
 - Scalars (counts, hyperparameters, the scaler's state) and non-floating
   leaves stay as they are: they cost nothing and must stay exact.
 
@@ -87,8 +89,8 @@ def low_precision_state(
 
   Every floating state leaf with at least one dimension (Adam's moments,
   momentum, accumulated gradients, ...) is stored as 16-bit values times a
-  float32 power-of-two scale per tensor, rounded stochastically from a PRNG
-  key held in the state; ``inner`` runs in float32 on the decoded state.
+  float32 power-of-two scale per tensor (float16; bfloat16 needs none),
+  rounded stochastically from a PRNG key held in the state; ``inner`` runs in float32 on the decoded state.
   Scalars and integer leaves (counts, hyperparameters) are not touched.
 
   The stored value is unbiased: its expectation is the float32 state, and
@@ -124,8 +126,8 @@ def low_precision_state(
     >>> updates, state = tx.update(jnp.ones(3), state, params)
     >>> updates  # Adam's first step, as in float32: -lr * g / (|g| + eps)
     Array([-0.00099999, -0.00099999, -0.00099999], dtype=float32)
-    >>> state.inner_state[0].nu  # 16-bit values times a power-of-two scale
-    LowPrecisionArray(values=Array([16768, 16768, 16768], dtype=bfloat16), scale=Array(5.9604645e-08, dtype=float32))
+    >>> state.inner_state[0].nu  # 16-bit values times a scale (1 in bfloat16, which has float32's range)
+    LowPrecisionArray(values=Array([0.000999451, 0.000999451, 0.000999451], dtype=bfloat16), scale=Array(1., dtype=float32))
   """
   name = jnp.dtype(dtype).name if _is_dtype(dtype) else None
   if name not in DTYPES:
@@ -189,13 +191,19 @@ def _encode(tree, dtype, key):
 
 def _encode_leaf(x: jax.Array, dtype, key) -> LowPrecisionArray:
   x = x.astype(jnp.float32)
-  biggest = jnp.max(jnp.abs(x))
-  _, e = jnp.frexp(biggest)  # biggest = m * 2**e, 0.5 <= m < 1
-  # A zero or non-finite tensor keeps scale 1 (inf and NaN are stored as they are).
-  e = jnp.where((biggest > 0) & jnp.isfinite(biggest), e - 1 - _TOP, 0)
-  scale = jnp.ldexp(jnp.float32(1), e)
+  if dtype == jnp.bfloat16:
+    # bfloat16 has float32's range: no scale, so no reduction over the new state before it is
+    # stored, which would keep it in float32 in between (24 -> 8 bytes per parameter of
+    # temporaries in a compiled Adam step, NOTES.md #18).
+    scale = jnp.float32(1)
+  else:
+    biggest = jnp.max(jnp.abs(x))
+    _, e = jnp.frexp(biggest)  # biggest = m * 2**e, 0.5 <= m < 1
+    # A zero or non-finite tensor keeps scale 1 (inf and NaN are stored as they are).
+    e = jnp.where((biggest > 0) & jnp.isfinite(biggest), e - 1 - _TOP, 0)
+    scale = jnp.ldexp(jnp.float32(1), e)
   scaled = x / scale  # exact: a power of two, and no result below float32's normals that matters
-  uniform = jax.random.uniform(key, x.shape, jnp.float32)
+  uniform = _master._uniform(key, x.shape)
   finite = jnp.isfinite(scaled)
   rounded = _master._stochastic_round(jnp.where(finite, scaled, 0), dtype, uniform)
   return LowPrecisionArray(jnp.where(finite, rounded, scaled.astype(dtype)), scale)

@@ -267,11 +267,35 @@ def _stochastic_targets(params, exact, draw):
   leaves, treedef = jax.tree.flatten(params)
   xs = treedef.flatten_up_to(exact)
   out = [
-      _stochastic_round(x, p.dtype, jax.random.uniform(jax.random.fold_in(draw, i), p.shape, jnp.float32))
+      _stochastic_round(x, p.dtype, _uniform(jax.random.fold_in(draw, i), p.shape))
       .astype(jnp.float32) if _is_narrow(p) else x
       for i, (p, x) in enumerate(zip(leaves, xs))
   ]
   return jax.tree.unflatten(treedef, out)
+
+
+def _uniform(key: jax.Array, shape) -> jax.Array:
+  """Uniform float32 numbers in [0, 1), one per element, from ``key`` and each element's index.
+
+  A counter-based hash (Wellons' ``lowbias32``, applied twice, seeded from the key) rather than
+  ``jax.random.uniform``: it is elementwise, so it fuses into the rounding that reads it, where
+  threefry's intermediate arrays made ``low_precision_state``'s compiled Adam step carry 42 bytes
+  per parameter of temporaries (benchmarks/NOTES.md #18). Computed from the global index, so a
+  sharded or replicated array draws the same numbers on every device.
+  """
+  seeds = jax.random.bits(key, (2,), jnp.uint32)
+  size = max(int(np.prod(shape)), 1)
+  index = jax.lax.iota(jnp.uint32, size).reshape(shape)
+  bits = _lowbias32(_lowbias32(index ^ seeds[0]) + seeds[1])
+  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def _lowbias32(x: jax.Array) -> jax.Array:
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
 
 
 def _stochastic_round(x: jax.Array, dtype, uniform: jax.Array) -> jax.Array:
