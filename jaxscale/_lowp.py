@@ -50,7 +50,9 @@ REFUSED = {
     "COCOBState": "`optax.contrib.cocob` keeps the initial parameters `init_particles`",
     "DoGState": "`optax.contrib.dog` keeps the initial parameters `init_params`",
     "DoWGState": "`optax.contrib.dowg` keeps the initial parameters `init_params`",
-    "MechanicState": "`optax.contrib.mechanize` keeps the initial parameters `params_ref`",
+    "MadgradState": "`optax.contrib.madgrad` keeps the initial parameters `x0`",
+    "MechanicState": "`optax.contrib.mechanize` keeps the initial parameters `x0`",
+    "ProdigyState": "`optax.contrib.prodigy` keeps the initial parameters `params0`",
     "SAMState": "`optax.contrib.sam` keeps the parameters before its adversarial steps in `cache`",
     "ScaleByDistanceOverGradientsState": "`optax.scale_by_distance_over_gradients` keeps the initial parameters `init_params`",
     "ScaleByLBFGSState": "`optax.lbfgs` keeps the previous parameters `params`",
@@ -115,8 +117,10 @@ def low_precision_state(
 
   Raises:
     ValueError: for another ``dtype``; from ``init``, for an optimizer whose
-      state holds a copy of the parameters (``REFUSED`` lists them), which 16
-      bits cannot carry.
+      state holds a copy of the parameters, which 16 bits cannot carry:
+      ``optax.contrib``'s schedule_free, sam, cocob, dog, dowg, madgrad,
+      mechanize and prodigy, ``optax.lbfgs`` and
+      ``optax.scale_by_distance_over_gradients``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxscale

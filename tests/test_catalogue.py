@@ -250,7 +250,8 @@ def test_wrapped_equals_inner_and_skips_bit_for_bit(name):
 # follow the float32 optimizer within bfloat16's rounding, and skip bit for bit.
 LOW_PRECISION_REFUSED = {
     "optax.contrib.cocob", "optax.contrib.scale_by_cocob", "optax.contrib.dog", "optax.contrib.dowg",
-    "optax.contrib.mechanize", "optax.contrib.sam", "optax.scale_by_distance_over_gradients",
+    "optax.contrib.madgrad", "optax.contrib.scale_by_madgrad", "optax.contrib.mechanize",
+    "optax.contrib.prodigy", "optax.contrib.sam", "optax.scale_by_distance_over_gradients",
     "optax.lbfgs", "optax.scale_by_lbfgs", "optax.contrib.schedule_free",
     "optax.contrib.schedule_free_adamw", "optax.contrib.schedule_free_sgd",
 }
