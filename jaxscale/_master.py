@@ -89,7 +89,7 @@ def master_weights(
     parameter lost, in units of its ulp; parameter plus compensation hold
     about 22 bits for float16 (16 for bfloat16), and updates far below
     half an ulp accumulate.
-  - ``"stochastic_rounding"`` (0 bytes, a 8-byte key in all): each new
+  - ``"stochastic_rounding"`` (0 bytes; one 8-byte key in all): each new
     parameter is rounded up or down at random, with the probability that
     makes its expected value exact. The key is split once per step; with
     replicated parameters every device draws the same numbers.
