@@ -50,6 +50,10 @@ REFUSED = {
     "COCOBState": "`optax.contrib.cocob` keeps the initial parameters `init_particles`",
     "DoGState": "`optax.contrib.dog` keeps the initial parameters `init_params`",
     "DoWGState": "`optax.contrib.dowg` keeps the initial parameters `init_params`",
+    "MasterWeightsState": (
+        "`master_weights` keeps the float32 master copy of the parameters (nest them the other way "
+        "round: `master_weights(dynamic_loss_scaling(low_precision_state(inner)))`)"
+    ),
     "MadgradState": "`optax.contrib.madgrad` keeps the initial parameters `x0`",
     "MechanicState": "`optax.contrib.mechanize` keeps the initial parameters `x0`",
     "ProdigyState": "`optax.contrib.prodigy` keeps the initial parameters `params0`",
@@ -119,8 +123,8 @@ def low_precision_state(
     ValueError: for another ``dtype``; from ``init``, for an optimizer whose
       state holds a copy of the parameters, which 16 bits cannot carry:
       ``optax.contrib``'s schedule_free, sam, cocob, dog, dowg, madgrad,
-      mechanize and prodigy, ``optax.lbfgs`` and
-      ``optax.scale_by_distance_over_gradients``.
+      mechanize and prodigy, ``optax.lbfgs``,
+      ``optax.scale_by_distance_over_gradients``, and ``master_weights``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxscale

@@ -91,6 +91,13 @@ def test_counts_scalars_and_16_bit_leaves_are_untouched():
   assert adam_state.mu["w"].dtype == jnp.bfloat16  # already 16 bits: kept as optax stores it
 
 
+def test_master_weights_inside_is_refused():
+  """Its float32 master is a copy of the parameters: in 16 bits it would be plain 16-bit training."""
+  wrong = jaxscale.low_precision_state(jaxscale.master_weights(optax.adam(1e-3)))
+  with pytest.raises(ValueError, match=r"cannot hold a MasterWeightsState.*master_weights\(dynamic_loss_scaling\(low_precision_state\(inner\)\)\)"):
+    wrong.init({"w": jnp.ones(3, jnp.float16)})
+
+
 def test_bad_dtypes_are_value_errors():
   for dtype in [jnp.float32, "float8_e4m3fn", "bf16", jnp.int8]:
     with pytest.raises(ValueError, match="use jnp.bfloat16 or jnp.float16"):
