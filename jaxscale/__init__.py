@@ -21,6 +21,7 @@ from jaxscale._policy import Policy, get_policy, needs_loss_scaling
 from jaxscale._autocast import autocast
 from jaxscale._report import PrecisionReport, precision_report
 from jaxscale._master import MasterWeightsState, master_weights
+from jaxscale._lowp import LowPrecisionState, low_precision_state
 from jaxscale._device import recommended_policy, supports_bfloat16, supports_float16
 
 # Seeing the float16 range.
@@ -49,11 +50,13 @@ __all__ = (
     "value_and_grad",
     # Mixed precision around the scaler.
     "MasterWeightsState",
+    "LowPrecisionState",
     "Policy",
     "PrecisionReport",
     "autocast",
     "get_policy",
     "master_weights",
+    "low_precision_state",
     "needs_loss_scaling",
     "precision_report",
     "recommended_policy",

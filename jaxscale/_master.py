@@ -1,33 +1,53 @@
-"""Master weights: float16 / bfloat16 parameters updated through a float32 copy.
+"""Master weights: float16 / bfloat16 parameters that still take updates below half an ulp.
 
 A step on 16-bit parameters loses every update below half a unit in the last
 place (for float16 near 1.0: 2**-11), so a small learning rate stops learning.
-``master_weights(inner)`` keeps a float32 master copy of each 16-bit parameter::
+``master_weights(inner, method=...)`` keeps what the parameters cannot hold::
 
-    grads32 = float32(grads)                 # before the scaler unscales them
-    updates32, inner_state = inner.update(grads32, inner_state, master)
-    master = master + updates32              # accumulates in float32
-    updates = float32(param_dtype(master)) - params
+    grads32 = float32(grads)                  # before the scaler unscales them
+    "float32":  x = master                    # a float32 copy of each parameter
+    "kahan":    x = float32(params) + comp * ulp(params)   # a 16-bit compensation
+    "stochastic_rounding": x = float32(params)              # nothing kept
+    updates32, inner_state = inner.update(grads32, inner_state, x)
+    x = x + updates32                         # in float32
+    new = round(x) to the parameters' dtype   # to nearest (stochastically for
+                                              # "stochastic_rounding"), saturating
+    "float32": master = x;  "kahan": comp = (x - new) / ulp(new)
+    updates = new - params, in the parameters' dtype, chosen so that
+              params + updates == new when added in that dtype
 
-so that ``optax.apply_updates(params, updates)`` is the master cast to the
-parameters' dtype. On a step ``dynamic_loss_scaling`` skips, its updates are
-``-0.0``: ``master + -0.0`` is the master bit for bit, and so are the parameters
-and the inner state. Parameters of 32 or more bits pass through with no copy.
+The updates keep the parameters' dtype, so ``optax.apply_updates`` and
+``eqx.apply_updates`` (which does not cast back) both give 16-bit parameters.
+A step skipped by a ``dynamic_loss_scaling`` inside is read from its
+``ScalerState.last_skipped``: parameters, master, compensation, key and inner
+state then stay bit for bit. Parameters of 32 or more bits pass through.
+
+Anchors: Micikevicius et al. 2018 (float32 master weights, torch.amp's and
+apex's practice); Zamirai et al. 2020 (arXiv 2010.06192: Kahan summation and
+stochastic rounding recover float32 quality with 16-bit weights alone). The
+compensation here is stored in units of the parameter's ulp, not as a raw
+16-bit value: raw, a float16 compensation of a weight below 0.125 is subnormal
+and keeps only a few bits (benchmarks/NOTES.md #20).
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jaxscale import _policy
+from jaxscale import _policy, _scaler
+
+METHODS = ("float32", "kahan", "stochastic_rounding")
 
 
 class MasterWeightsState(NamedTuple):
-  """State of :func:`master_weights`.
+  """State of :func:`master_weights`; a field its method does not use is ``None``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxscale
@@ -35,10 +55,15 @@ class MasterWeightsState(NamedTuple):
     >>> state = jaxscale.master_weights(optax.sgd(0.1)).init(params)
     >>> state.master["w"].dtype, state.master["b"]  # float32 params need no copy
     (dtype('float32'), MaskedNode())
+    >>> state = jaxscale.master_weights(optax.sgd(0.1), method="kahan").init(params)
+    >>> state.master, state.compensation["w"]  # in units of each parameter's ulp
+    (None, Array([0., 0.], dtype=float16))
   """
 
-  master: Any  # like params: a float32 copy of each 16-bit leaf, `optax.MaskedNode()` elsewhere
+  master: Any  # "float32": like params, a float32 copy of each 16-bit leaf, `optax.MaskedNode()` elsewhere
   inner_state: optax.OptState
+  compensation: Any = None  # "kahan": like params, each 16-bit leaf's remainder in units of its ulp, same dtype
+  key: Any = None  # "stochastic_rounding": shape=(2,), dtype=uint32; a raw PRNG key, split once per step
 
   # Read by `dynamic_loss_scaling`, which refuses to wrap this state: inside it, the scaler would
   # unscale the float16 gradients in float16, flushing the small ones before the master sees them.
@@ -48,28 +73,53 @@ class MasterWeightsState(NamedTuple):
   )
 
 
-def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """Runs ``inner`` on a float32 master copy of float16 / bfloat16 parameters.
+def master_weights(
+    inner: optax.GradientTransformation,
+    *,
+    method: str = "float32",
+    key: int | jax.Array | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Runs ``inner`` for float16 / bfloat16 parameters without losing small updates.
 
   Put the loss scaler inside: ``master_weights(dynamic_loss_scaling(inner))``.
   The float16 gradients are then cast to float32 *before* they are
   unscaled; unscaled in float16, true gradients below 2**-24 would flush to
   zero again. (The other order is refused by :func:`dynamic_loss_scaling`.)
+  ``inner`` always runs in float32, on float32 gradients and parameters; wrap
+  it in :func:`jaxscale.low_precision_state` to store its state in 16 bits.
 
-  The returned updates are float32, and ``optax.apply_updates(params,
-  updates)`` equals ``master.astype(params.dtype)`` exactly, as values (a
-  parameter the step leaves unchanged keeps its bits), whenever
-  ``target - param`` is a normal float32 number: for float16 always, unless
-  in one step a parameter shrinks by a factor above 2**12 or leaves an
-  infinity (``apply_updates`` adds in at most float32, and no float32 update
-  can then land on the target: the last bits may differ); for bfloat16 the
-  same with 2**15, and not for values or steps below 2**-126 (float32
-  subnormals, which XLA flushes to zero). Float32, float64 and non-floating parameters
-  pass through to ``inner`` untouched. Under strict dtype promotion, add the
-  updates as ``(p.astype(u.dtype) + u).astype(p.dtype)``.
+  Methods, with the persistent bytes each adds per float16 parameter:
+
+  - ``"float32"`` (4 bytes): a float32 master copy; the parameters are the
+    master rounded to their dtype. Equal to a float32 run of ``inner``.
+  - ``"kahan"`` (2 bytes): a 16-bit compensation carries what rounding the
+    parameter lost, in units of its ulp; parameter plus compensation hold
+    about 22 bits for float16 (16 for bfloat16), and updates far below
+    half an ulp accumulate.
+  - ``"stochastic_rounding"`` (0 bytes; one 8-byte key in all): each new
+    parameter is rounded up or down at random, with the probability that
+    makes its expected value exact. The key is split once per step; with
+    replicated parameters every device draws the same numbers.
+
+  The updates have the parameters' dtype and land exactly on the new
+  parameter when added in that dtype (``optax.apply_updates``,
+  ``eqx.apply_updates``, ``p + u``), whenever the parameter keeps its sign
+  and does not shrink by more than half in one step; otherwise they land
+  within half an ulp of the step's size (the next step corrects it: the
+  float32 master and the compensation count from where it landed). A step
+  that leaves a parameter unchanged gives ``-0.0``, which keeps every bit.
+  Parameters beyond the dtype's range saturate at its largest finite value
+  (an infinite parameter could never come back); float32, float64 and
+  non-floating parameters pass through to ``inner`` untouched.
+
+  A step that a ``dynamic_loss_scaling`` inside skips (its
+  ``ScalerState.last_skipped``) leaves the parameters, the master, the
+  compensation, the key and the inner state bit for bit as they were.
 
   Args:
     inner: the optimizer, usually ``dynamic_loss_scaling(...)`` around it.
+    method: ``"float32"``, ``"kahan"`` or ``"stochastic_rounding"``.
+    key: ``"stochastic_rounding"``'s seed, an int or a PRNG key (default 0).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -77,12 +127,13 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
     arguments go on to ``inner``.
 
   Raises:
-    ValueError: from ``update``, when it is called without ``params``.
+    ValueError: for an unknown ``method``, a ``key`` given to another
+      method, or from ``update`` when it is called without ``params``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxscale
     >>> params = jnp.ones(2, jnp.float16)
-    >>> tx = jaxscale.master_weights(optax.sgd(1e-4))
+    >>> tx = jaxscale.master_weights(optax.sgd(1e-4), method="kahan")
     >>> state = tx.init(params)
     >>> for _ in range(10):  # each step alone is below float16's half-ulp at 1.0
     ...   updates, state = tx.update(jnp.ones(2, jnp.float16), state, params)
@@ -90,49 +141,244 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
     >>> params  # plain sgd(1e-4) would leave them at 1.0
     Array([0.999, 0.999], dtype=float16)
   """
+  if method not in METHODS:
+    raise ValueError(
+        f"`master_weights` got method={method!r}; use one of "
+        + ", ".join(repr(m) for m in METHODS) + "."
+    )
+  if key is not None and method != "stochastic_rounding":
+    raise ValueError(
+        f"`master_weights` got a `key` with method={method!r}, which draws no random numbers; "
+        "pass `key` only with method='stochastic_rounding'."
+    )
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    master = jax.tree.map(lambda p: p.astype(jnp.float32) if _is_narrow(p) else optax.MaskedNode(), params)
-    return MasterWeightsState(master, inner.init(_with_master(params, master)))
+    narrow = lambda f: jax.tree.map(lambda p: f(p) if _is_narrow(p) else optax.MaskedNode(), params)
+    if method == "float32":
+      state = MasterWeightsState(narrow(lambda p: p.astype(jnp.float32)), None)
+    elif method == "kahan":
+      state = MasterWeightsState(None, None, compensation=narrow(jnp.zeros_like))
+    else:
+      state = MasterWeightsState(None, None, key=_raw_key(0 if key is None else key))
+    return state._replace(inner_state=inner.init(_float32_params(params, state)))
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(
           "`master_weights` needs the parameters: call `tx.update(grads, opt_state, params)`."
       )
-    full = _with_master(params, state.master)
+    _check_params_match(params, state)
+    full = _float32_params(params, state)
     grads = jax.tree.map(lambda g, p: g.astype(jnp.float32) if _is_narrow(p) else g, updates, params)
     inner_updates, inner_state = inner.update(grads, state.inner_state, full, **extra_args)
-    new_full = optax.apply_updates(full, inner_updates)
-    master = jax.tree.map(lambda p, m: m if _is_narrow(p) else optax.MaskedNode(), params, new_full)
-    updates = jax.tree.map(
-        lambda p, m, u: _step_to(p, m) if _is_narrow(p) else u, params, new_full, inner_updates
+    skipped = _skipped(inner_state)
+    if method == "float32":
+      master = optax.apply_updates(full, inner_updates)  # on a skipped step: master + -0.0, bit for bit
+      new_state = MasterWeightsState(_only_narrow(params, master), inner_state)
+      return _narrow_updates(params, master, inner_updates, skipped), new_state
+    comp = state.compensation if method == "kahan" else jax.tree.map(lambda p: optax.MaskedNode(), params)
+    # The step and the compensation, both below the parameter's ulp or near it, are summed first.
+    steps = jax.tree.map(lambda p, c, u: u + _comp_value(p, c) if _is_narrow(p) else u, params, comp, inner_updates)
+    exact = jax.tree.map(
+        lambda p, s: _clip_to(p.dtype, p.astype(jnp.float32) + s) if _is_narrow(p) else s, params, steps
     )
-    return updates, MasterWeightsState(master, inner_state)
+    new_key = state.key
+    if method == "stochastic_rounding":
+      new_key, draw = jax.random.split(state.key)
+      exact = _stochastic_targets(params, exact, draw)
+    new_updates = _narrow_updates(params, exact, inner_updates, skipped)
+    if method == "kahan":
+      comp = jax.tree.map(
+          lambda p, c, s, u: _keep(skipped, c, _remainder(p, s, u)) if _is_narrow(p) else c,
+          params, comp, steps, new_updates,
+      )
+    new_state = MasterWeightsState(None, inner_state, comp if method == "kahan" else None,
+                                   _keep(skipped, state.key, new_key) if new_key is not None else None)
+    return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _step_to(param: jax.Array, master: jax.Array) -> jax.Array:
-  """A float32 update with which ``param + update``, cast back, is ``master.astype(param.dtype)``.
+def _check_params_match(params, state: MasterWeightsState) -> None:
+  """Raises if a parameter is no longer 16-bit where ``init`` kept a master or compensation for it
+  (or the other way round): a float32 update added without casting back (``p + u``) promotes it."""
+  kept = state.master if state.master is not None else state.compensation
+  if kept is None:
+    return
+  for path, (p, k) in _leaves_with_path(params, kept):
+    if _is_narrow(p) == isinstance(k, optax.MaskedNode):
+      raise ValueError(
+          f"`master_weights` was initialised with a {'float32' if _is_narrow(p) else '16-bit'} parameter at "
+          f"{jax.tree_util.keystr(path)}, and now gets one of dtype {p.dtype}. Keep each parameter's dtype "
+          "from step to step (`master_weights`' updates have it; add them with `optax.apply_updates`, "
+          "`eqx.apply_updates` or `p + u`, not after a cast to float32), or call `tx.init` again."
+      )
 
-  Both ``target`` and ``param`` are 16-bit values, so their float32
-  difference is exact unless their exponents are far apart; ``param + delta``
-  is then ``target`` itself. The update goes in float32 because in the
-  parameters' dtype the difference itself would round (or overflow).
+
+def _leaves_with_path(params, kept):
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  return zip((path for path, _ in flat), zip((p for _, p in flat), treedef.flatten_up_to(kept)))
+
+
+def _float32_params(params, state: MasterWeightsState):
+  """What ``inner`` sees: float32 values of the 16-bit parameters (the master, or with the compensation)."""
+  if state.master is not None:
+    return jax.tree.map(lambda p, m: m if _is_narrow(p) else p, params, state.master)
+  comp = state.compensation
+  if comp is None:
+    comp = jax.tree.map(lambda p: optax.MaskedNode(), params)
+  return jax.tree.map(
+      lambda p, c: p.astype(jnp.float32) + _comp_value(p, c) if _is_narrow(p) else p, params, comp
+  )
+
+
+def _comp_value(p, c):
+  """The compensation's float32 value (0 without one): it is stored in units of ``ulp(p)``."""
+  if isinstance(c, optax.MaskedNode):
+    return jnp.float32(0)
+  return c.astype(jnp.float32) * _ulp(p)
+
+
+def _remainder(p, step, u):
+  """The new compensation: what the float32 ``step`` has beyond where ``p + u`` lands, in its ulps.
+
+  ``landed - p`` is exact in float32 (two nearby 16-bit values), and so, nearly, is ``step`` minus
+  it: no rounding at the parameter's magnitude enters the compensation.
   """
-  # The barrier keeps the cast: XLA:GPU folds a float32 -> float16 -> float32 round trip away
-  # (`xla_allow_excess_precision`), which would make `target` the unrounded master.
-  target = jax.lax.optimization_barrier(master.astype(param.dtype)).astype(jnp.float32)
-  delta = target - param.astype(jnp.float32)
-  # `x + -0.0` is x bit for bit, even for x = -0.0 (where `x + 0.0` is +0.0).
-  return jnp.where(delta == 0, jnp.float32(-0.0), delta)
+  landed = _materialise(p + u)
+  moved = landed.astype(jnp.float32) - p.astype(jnp.float32)
+  big = jnp.float32(jnp.finfo(p.dtype).max)
+  return jnp.clip((step - moved) / _ulp(landed), -big, big).astype(p.dtype)
 
 
-def _with_master(params, master):
-  """``params`` with each 16-bit leaf replaced by its float32 master."""
-  return jax.tree.map(lambda p, m: m if _is_narrow(p) else p, params, master)
+def _ulp(p: jax.Array) -> jax.Array:
+  """The spacing of ``p``'s dtype at ``|p|``, as a float32 power of two (never a float32 subnormal)."""
+  fi = jnp.finfo(p.dtype)
+  _, e = jnp.frexp(jnp.abs(p.astype(jnp.float32)))  # |p| = m * 2**e, 0.5 <= m < 1
+  lowest = max(int(fi.minexp) - int(fi.nmant), int(jnp.finfo(jnp.float32).minexp))
+  e = jnp.where(p == 0, lowest, jnp.maximum(e - 1 - int(fi.nmant), lowest))
+  return jnp.ldexp(jnp.float32(1), e)
+
+
+def _clip_to(dtype, x: jax.Array) -> jax.Array:
+  """``x`` (float32) limited to ``dtype``'s finite range: a parameter at inf could never come back
+  (no finite update moves it), at the largest finite value it can."""
+  big = jnp.float32(jnp.finfo(dtype).max)
+  return jnp.clip(x, -big, big)
+
+
+def _stochastic_targets(params, exact, draw):
+  """Each 16-bit leaf's ``exact`` float32 value rounded up or down at random, as a float32 value
+  that rounds to itself; one stream per leaf."""
+  leaves, treedef = jax.tree.flatten(params)
+  xs = treedef.flatten_up_to(exact)
+  out = [
+      _stochastic_round(x, p.dtype, _uniform(jax.random.fold_in(draw, i), p.shape))
+      .astype(jnp.float32) if _is_narrow(p) else x
+      for i, (p, x) in enumerate(zip(leaves, xs))
+  ]
+  return jax.tree.unflatten(treedef, out)
+
+
+def _uniform(key: jax.Array, shape) -> jax.Array:
+  """Uniform float32 numbers in [0, 1), one per element, from ``key`` and each element's index.
+
+  A counter-based hash (Wellons' ``lowbias32``, applied twice, seeded from the key) rather than
+  ``jax.random.uniform``: it is elementwise, so it fuses into the rounding that reads it, where
+  threefry's intermediate arrays made ``low_precision_state``'s compiled Adam step carry 42 bytes
+  per parameter of temporaries (benchmarks/NOTES.md #20). Computed from the global index, so a
+  sharded or replicated array draws the same numbers on every device.
+  """
+  seeds = jax.random.bits(key, (2,), jnp.uint32)
+  size = max(int(np.prod(shape)), 1)
+  index = jax.lax.iota(jnp.uint32, size).reshape(shape)
+  bits = _lowbias32(_lowbias32(index ^ seeds[0]) + seeds[1])
+  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def _lowbias32(x: jax.Array) -> jax.Array:
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def _stochastic_round(x: jax.Array, dtype, uniform: jax.Array) -> jax.Array:
+  """``x`` (finite float32) to ``dtype``: up with probability (x - down) / (up - down), so unbiased."""
+  near = _materialise(x.astype(dtype))
+  down = jnp.where(near.astype(jnp.float32) > x, jnp.nextafter(near, jnp.asarray(-jnp.inf, dtype)), near)
+  up = jnp.nextafter(down, jnp.asarray(jnp.inf, dtype))
+  # Both differences are exact: `x` lies between two neighbours, whose gap is a power of two.
+  fraction = (x - down.astype(jnp.float32)) / (up.astype(jnp.float32) - down.astype(jnp.float32))
+  return jnp.where(uniform < fraction, up, down)
+
+
+def _narrow_updates(params, targets, inner_updates, skipped):
+  """Each 16-bit leaf's update onto ``targets`` rounded to its dtype; ``-0.0`` on a skipped step."""
+  return jax.tree.map(
+      lambda p, t, u: _keep(skipped, jnp.asarray(-0.0, p.dtype), _step_to(p, t)) if _is_narrow(p) else u,
+      params, targets, inner_updates,
+  )
+
+
+def _step_to(param: jax.Array, target32: jax.Array) -> jax.Array:
+  """An update, in ``param``'s dtype, with which ``param + update`` (added in that dtype) is
+  ``target32`` rounded to nearest in that dtype, saturating.
+
+  The difference of two 16-bit values within a factor of two of each other is
+  exact in 16 bits (Sterbenz's lemma), and lands. Further apart, the rounded
+  difference or one of its two neighbours lands in most cases; when none can
+  (the sum's last bits fall between the target's neighbours), the parameter
+  lands within one ulp of the step's size, and never on an infinity.
+  """
+  dtype = param.dtype
+  # The barriers keep the 16-bit roundings: XLA folds a float32 -> 16-bit -> float32 round trip
+  # away (`xla_allow_excess_precision`), which would compare unrounded sums.
+  target = _materialise(_clip_to(dtype, target32).astype(dtype))
+  first = _clip_to(dtype, target.astype(jnp.float32) - param.astype(jnp.float32)).astype(dtype)
+  lands = lambda u: _materialise(param + u) == target
+  update = jnp.where(jnp.isfinite(_materialise(param + first)), first, jnp.nextafter(first, jnp.zeros_like(first)))
+  for u in (jnp.nextafter(first, jnp.asarray(-jnp.inf, dtype)), jnp.nextafter(first, jnp.asarray(jnp.inf, dtype)), first):
+    update = jnp.where(lands(u), u, update)
+  # `x + -0.0` is x bit for bit, even for x = -0.0 (where `x + 0.0` is +0.0) and x = inf.
+  return jnp.where(target == param, jnp.asarray(-0.0, dtype), update)
+
+
+def _materialise(x: jax.Array) -> jax.Array:
+  return jax.lax.optimization_barrier(x)
+
+
+def _keep(skipped, old, new):
+  """``old`` on a skipped step, else ``new``."""
+  return jnp.where(skipped, old, new)
+
+
+def _skipped(inner_state) -> jax.Array:
+  """Whether a ``dynamic_loss_scaling`` inside skipped this step (False when there is none)."""
+  is_scaler = lambda x: isinstance(x, _scaler.ScalerState)
+  flags = [s.last_skipped for s in jax.tree.leaves(inner_state, is_leaf=is_scaler) if is_scaler(s)]
+  return functools.reduce(operator.or_, flags, jnp.asarray(False))
+
+
+def _raw_key(key, who: str = "master_weights") -> jax.Array:
+  """A raw ``uint32[2]`` PRNG key (what Orbax and ``jax.tree.map`` handle) from an int or a key."""
+  if isinstance(key, (int, np.integer)):
+    return jax.random.PRNGKey(int(key))
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  if key.dtype != jnp.uint32 or key.shape != (2,):
+    raise ValueError(
+        f"`{who}` got key of dtype {key.dtype} and shape {key.shape}; pass an int seed, "
+        "`jax.random.key(seed)` or `jax.random.PRNGKey(seed)`."
+    )
+  return key
+
+
+def _only_narrow(params, tree):
+  return jax.tree.map(lambda p, m: m if _is_narrow(p) else optax.MaskedNode(), params, tree)
 
 
 def _is_narrow(x) -> bool:

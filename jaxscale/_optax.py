@@ -134,7 +134,7 @@ def _update_or_keep(finite, update, updates, inner_state, params):
   donated parameters and state, the select measured the same as the jaxpr
   evaluation it replaced, in the Adam step alone (8M parameters, 48 leaves:
   1.47x both, the same 4 copies) and in full LM training steps (the same
-  copies and fusions; NOTES.md #18). ``bench.py`` times each mechanism as its
+  copies and fusions; NOTES.md #19). ``bench.py`` times each mechanism as its
   own row, so that a GPU run can decide again.
 
   Derivatives through a skipped step (meta-learning, hyperparameter

@@ -229,3 +229,72 @@ def test_wrapped_equals_inner_and_skips_bit_for_bit(name):
     state = new_state
   assert float(state.scaler.scale) == SCALE / 4
   assert wrapped_step._cache_size() == inner_step._cache_size() == 1
+
+
+# Through `low_precision_state` (bfloat16): the optimizers whose state holds a copy of the
+# parameters are refused at `init` (16 bits lose every update below half their ulp); the rest
+# follow the float32 optimizer within bfloat16's rounding, and skip bit for bit.
+LOW_PRECISION_REFUSED = {
+    "optax.contrib.cocob", "optax.contrib.scale_by_cocob", "optax.contrib.dog", "optax.contrib.dowg",
+    "optax.contrib.madgrad", "optax.contrib.scale_by_madgrad", "optax.contrib.mechanize",
+    "optax.contrib.prodigy", "optax.contrib.sam", "optax.scale_by_distance_over_gradients",
+    "optax.lbfgs", "optax.scale_by_lbfgs", "optax.contrib.schedule_free",
+    "optax.contrib.schedule_free_adamw", "optax.contrib.schedule_free_sgd",
+}
+# Parameters' distance from the float32 run, relative to how far they moved, after three steps.
+LOW_PRECISION_RTOL = {
+    # Newton-Schulz on these rank-one gradients: the near-zero singular directions amplify any
+    # rounding of the momentum to the size of the step (in float32, a last-bit difference: RTOL).
+    "optax.contrib.muon": 2.0,
+    # The projection onto the gradients' top singular vectors, stored in bfloat16, is orthonormal
+    # only to bfloat16's precision: 4% after three steps.
+    "optax.contrib.galore": 0.05,
+    "optax.contrib.scale_by_galore": 0.05,
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("name", sorted(CATALOGUE))
+def test_low_precision_state_follows_inner_and_skips_bit_for_bit(name):
+  make = CATALOGUE[name]
+  tx = jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(make()), init_scale=SCALE)
+  if name in LOW_PRECISION_REFUSED:
+    with pytest.raises(ValueError, match="`low_precision_state` cannot hold a .*State: .*keeps"):
+      tx.init(PARAMS)
+    return
+  inner = optax.with_extra_args_support(make())
+
+  @jax.jit
+  def wrapped_step(params, state, poison):
+    grads = jax.grad(lambda p: jaxscale.scale(jaxscale.find_scaler(state), loss_fn(p)))(params)
+    grads = {**grads, "b": grads["b"].at[1].add(poison)}
+    updates, state = tx.update(grads, state, params, **extra_args(name, params))
+    return optax.apply_updates(params, updates), state
+
+  @jax.jit
+  def inner_step(params, state):
+    updates, state = inner.update(jax.grad(loss_fn)(params), state, params, **extra_args(name, params))
+    return optax.apply_updates(params, updates), state
+
+  params, state = PARAMS, strong(tx.init(PARAMS))
+  want_params, want_state = PARAMS, strong(inner.init(PARAMS))
+  for _ in range(3):
+    want_params, want_state = inner_step(want_params, want_state)
+    params, state = wrapped_step(params, state, jnp.float32(0))
+  rtol = LOW_PRECISION_RTOL.get(name, 0.02)
+  for got, want, start in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), jax.tree.leaves(PARAMS)):
+    assert got.dtype == want.dtype
+    assert np.all(np.abs(got - want) <= rtol * (np.abs(want - start) + 1e-3)), name
+  stored = jaxscale._lowp._decode(state.inner_state.inner_state, None)
+  assert jax.tree.structure(stored) == jax.tree.structure(want_state)
+  for got, want in zip(jax.tree.leaves(stored), jax.tree.leaves(want_state)):
+    got, want = numpy(got), numpy(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    if not jnp.issubdtype(want.dtype, jnp.inexact):  # counts and flags: not stored in 16 bits
+      np.testing.assert_array_equal(got, want, err_msg=name)
+  for poison in [jnp.inf, jnp.nan]:
+    new_params, new_state = wrapped_step(params, state, jnp.float32(poison))
+    assert_bitwise_equal(new_params, params, f"{name}: parameters after a {poison} step")
+    assert_bitwise_equal(new_state.inner_state, state.inner_state, f"{name}: stored state after a {poison} step")
+    state = new_state
+  assert wrapped_step._cache_size() == 1
