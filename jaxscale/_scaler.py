@@ -13,10 +13,13 @@ The rule (torch.amp.GradScaler's, plus bounds, hysteresis and a static mode)::
         growth_tracker = 0
         hysteresis_tracker = max(hysteresis_tracker - 1, 0)
         if dynamic and hysteresis_tracker == 0:
-            scale = max(scale * backoff_factor, min_scale)
+            scale = max(scale * backoff_factor, min_scale, 2**-126)
 
 With the defaults (``hysteresis=1``, ``min_scale=0``, ``max_scale=inf``) this is
-exactly torch's ``_amp_update_scale_``. Hysteresis follows Megatron-LM's
+exactly torch's ``_amp_update_scale_``, except that the scale never backs off
+below 2**-126, float32's smallest normal number (torch's goes on to 2**-127
+after 143 overflows in a row from 2**16, which XLA flushes to 0: every later
+step would then be skipped). Hysteresis follows Megatron-LM's
 ``DynamicGradScaler``: the tolerance is spent by non-finite steps and refilled
 only when the scale grows (DeepSpeed refills it on every finite step instead).
 """
@@ -109,12 +112,17 @@ def init(
     hysteresis: non-finite steps tolerated before the scale backs off
       (Megatron-LM's meaning: the tolerance refills when the scale grows).
       Every non-finite step is skipped regardless. 1 backs off at once.
-    min_scale: the scale never backs off below this. May be below 1.
+    min_scale: the scale never backs off below this. May be below 1. Whatever
+      it is, the scale never backs off below 2**-126, float32's smallest
+      normal number: below it XLA flushes the scale to 0 and no step could
+      ever be taken again. (torch's does, after 126 or more back-offs in a
+      row from its default scale.) A scale at this floor counts as
+      ``min_scale`` for ``on_stall``.
     max_scale: the scale never grows above this.
     dynamic: False keeps the scale fixed at ``init_scale`` (a static loss
       scale); non-finite steps are still skipped and counted.
     on_stall: what happens when a step overflows while the scale is already
-      at ``min_scale``: ``"skip"`` keeps skipping such steps; ``"raise"`` sets
+      at ``min_scale`` (or at 2**-126): ``"skip"`` keeps skipping such steps; ``"raise"`` sets
       the sticky ``stalled`` flag, skips every later step (the parameters stay
       at their last good values) and makes :func:`raise_if_stalled` raise.
       The flag lives on the device: checking it is a host sync, so do it at
@@ -518,8 +526,11 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   grown = state.scale * state.growth_factor
   # torch keeps the scale when growing would overflow float32.
   grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, state.max_scale), state.scale)
-  backed_off = jnp.maximum(state.scale * state.backoff_factor, state.min_scale)
-  at_floor = state.scale <= state.min_scale
+  # Whatever `min_scale`, the scale stays a normal float32: below 2**-126 XLA
+  # flushes it to 0, and 0 * inf = NaN would skip every later step.
+  floor = jnp.maximum(state.min_scale, _TINY)
+  backed_off = jnp.maximum(state.scale * state.backoff_factor, floor)
+  at_floor = state.scale <= floor
 
   new = state._replace(
       scale=jnp.where(grow, grown, jnp.where(back_off, backed_off, state.scale)),
@@ -578,7 +589,7 @@ def raise_if_stalled(state: ScalerState) -> None:
   stalled = np.asarray(jax.device_get(state.stalled))
   if not stalled.any():
     return
-  floor = np.asarray(jax.device_get(state.min_scale))
+  floor = np.maximum(np.asarray(jax.device_get(state.min_scale)), np.float32(_TINY))
   which = ""
   if stalled.shape != ():
     indices = np.flatnonzero(stalled) if stalled.ndim == 1 else np.argwhere(stalled)
@@ -586,9 +597,16 @@ def raise_if_stalled(state: ScalerState) -> None:
     floor = np.unique(np.broadcast_to(floor, stalled.shape)[stalled])
   raise FloatingPointError(
       f"jaxscale: a step overflowed while the loss scale was already at `min_scale` "
-      f"({_show(floor)}){which}; every step since has been skipped and the parameters hold "
-      "their last finite values. Lower `min_scale`, or look for the source of the inf/NaN in the model."
+      f"({_floor_text(floor)}){which}; every step since has been skipped and the parameters hold "
+      "their last finite values. Lower `min_scale` (if above 2**-126), or look for the source of the "
+      "inf/NaN in the model: gradients that overflow at any scale are not a scaling problem."
   )
+
+
+def _floor_text(floor: np.ndarray) -> str:
+  """The floor as a number, with "2**-126" named where float32's own floor applies."""
+  text = str(_show(floor))
+  return f"{text} = 2**-126, the smallest the scale can be" if np.all(floor == np.float32(_TINY)) else text
 
 
 def _wide(dtype) -> Any:

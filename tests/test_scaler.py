@@ -48,7 +48,9 @@ class ReferenceScaler:
       self.growth_tracker = 0
       self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
       if self.dynamic and self.hysteresis_tracker == 0:
-        self.scale = max(f32(self.scale) * f32(self.backoff_factor), f32(self.min_scale))
+        # Never below float32's smallest normal number, whatever `min_scale`.
+        floor = max(f32(self.min_scale), f32(2.0**-126))
+        self.scale = max(f32(self.scale) * f32(self.backoff_factor), floor)
 
 
 OPTION_SETS = {
@@ -58,6 +60,7 @@ OPTION_SETS = {
     "bounded": dict(init_scale=4.0, growth_interval=1, min_scale=0.25, max_scale=64.0),
     "static": dict(init_scale=128.0, growth_interval=1, dynamic=False),
     "growth_overflows_float32": dict(init_scale=2.0**126, growth_interval=1),
+    "backoff_to_float32_floor": dict(init_scale=2.0**-120, backoff_factor=0.25, growth_interval=5),
 }
 
 
@@ -113,6 +116,30 @@ def test_backoff_below_one_stops_at_min_scale():
     state = jaxscale.update(state, False)
     scales.append(float(state.scale))
   assert scales == [0.5, 0.25, 0.125, 0.125, 0.125]
+
+
+def test_backoff_never_leaves_float32_normal_range():
+  # 2**16 backs off to 2**-126 in 142 overflows; torch would go on to 2**-127,
+  # which XLA flushes to 0: then every unscale is 0 * inf = NaN, forever.
+  state, ref = jaxscale.init(), ReferenceScaler()
+  for _ in range(200):
+    state = jit_update(state, jnp.asarray(False))
+    ref.update(False)
+    assert float(state.scale) == ref.scale
+  assert float(state.scale) == 2.0**-126
+  grads, finite = jaxscale.unscale_and_check(state, {"w": jnp.array([2.0**-100, 0.0])})
+  assert bool(finite) and grads["w"].tolist() == [2.0**26, 0.0]
+
+
+def test_scale_stuck_at_float32_floor_is_a_stall():
+  state = jaxscale.init(init_scale=2.0**-125, on_stall="raise")
+  state = jaxscale.update(state, False)  # 2**-126: the floor, not a stall yet
+  assert float(state.scale) == 2.0**-126 and not bool(state.stalled)
+  jaxscale.raise_if_stalled(state)
+  state = jaxscale.update(state, False)  # an overflow at the floor
+  assert bool(state.stalled)
+  with pytest.raises(FloatingPointError, match="2\\*\\*-126"):
+    jaxscale.raise_if_stalled(state)
 
 
 def test_on_stall_skip_keeps_going():
