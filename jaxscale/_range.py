@@ -266,6 +266,11 @@ def range_stats(tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typi
     >>> float(jaxscale.range_stats(grads, scale=1024.0).zero_fraction)
     0.0
   """
+  if isinstance(scale, tuple):  # a ScalerState (a NamedTuple) would read as an array of its fields
+    raise TypeError(
+        f"`scale` must be a number or a scalar array, got a {type(scale).__name__}; for a scaler's "
+        "scale pass `scaler.scale` (`jaxscale.find_scaler(opt_state).scale`)."
+    )
   # A float32 array whatever was given, so that 1.0 and jnp.float32(1.0) share one compilation.
   scale = jnp.asarray(scale, jnp.float32)
   if scale.shape:

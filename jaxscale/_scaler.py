@@ -35,6 +35,8 @@ import numpy as np
 import optax
 from jax.core import Tracer
 
+from jaxscale import _provenance
+
 StallPolicy = Literal["skip", "raise"]
 
 
@@ -208,6 +210,7 @@ def configure(state: ScalerState, **options: Any) -> ScalerState:
     >>> int(state.growth_interval), float(state.scale)
     (10, 128.0)
   """
+  require_state(state, "configure")
   unknown = sorted(set(options) - set(_OPTION_DTYPES))
   if unknown:
     raise ValueError(
@@ -343,6 +346,7 @@ def scale(state: ScalerState, tree: Any) -> Any:
     >>> jaxscale.scale(jaxscale.init(init_scale=8.0), jnp.float16(0.5))
     Array(4., dtype=float16)
   """
+  require_state(state, "scale")
   leaves = jax.tree.leaves(tree)
   if not any(_is_floating(x) for x in leaves):
     dtypes = [jnp.result_type(x).name for x in leaves]
@@ -351,6 +355,7 @@ def scale(state: ScalerState, tree: Any) -> Any:
         f"floating leaf), but got leaves of dtypes {dtypes}."
     )
 
+  _provenance.note_scaled(state.scale)
   return jax.tree.map(lambda x: _times(x, state.scale), tree)
 
 
@@ -382,6 +387,15 @@ def unscale_and_check(
     >>> jaxscale.unscale_and_check(state, jnp.array([1.0, jnp.inf], jnp.float16))
     (Array([0.000977, inf], dtype=float16), Array(False, dtype=bool))
   """
+  require_state(state, "unscale_and_check")
+  unscaled, finite = unscale_and_check_unnoted(state, grads, axis_name=axis_name)
+  _provenance.note_unscaled(state.scale, [g for g in jax.tree.leaves(unscaled) if _is_floating(g)], finite)
+  return unscaled, finite
+
+
+def unscale_and_check_unnoted(state: ScalerState, grads: Any, *, axis_name: Any = None) -> tuple[Any, jax.Array]:
+  """:func:`unscale_and_check` without noting its results: the wrapper's own unscaling, which
+  hands the gradients to nobody else (see _provenance.py)."""
   r1, r2 = _reciprocal_factors(state.scale)
   unscaled = jax.tree.map(lambda g: _times(g, r1, r2), grads)
   # The flag must hold for the unscaled gradients, but it is computed from
@@ -516,6 +530,7 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
     >>> float(state.scale), int(state.skipped_steps)
     (512.0, 1)
   """
+  require_state(state, "update")
   finite = _as_flag(finite) & ~state.stalled
   dynamic = state.dynamic
   hysteresis_left = jnp.where(finite, state.hysteresis_tracker, jnp.maximum(state.hysteresis_tracker - 1, 0))
@@ -586,6 +601,7 @@ def raise_if_stalled(state: ScalerState) -> None:
     ...
     FloatingPointError: jaxscale: a step overflowed while the loss scale was already at `min_scale` (1.0); ...
   """
+  require_state(state, "raise_if_stalled")
   stalled = np.asarray(jax.device_get(state.stalled))
   if not stalled.any():
     return
@@ -598,8 +614,19 @@ def raise_if_stalled(state: ScalerState) -> None:
   raise FloatingPointError(
       f"jaxscale: a step overflowed while the loss scale was already at `min_scale` "
       f"({_floor_text(floor)}){which}; every step since has been skipped and the parameters hold "
-      "their last finite values. Lower `min_scale` (if above 2**-126), or look for the source of the "
-      "inf/NaN in the model: gradients that overflow at any scale are not a scaling problem."
+      "their last finite values. Lower `min_scale`, or look for the source of the inf/NaN in the model."
+  )
+
+
+def require_state(state: Any, function: str, hint: str = "") -> None:
+  """Raises a TypeError that says what to pass if ``state`` is not a :class:`ScalerState`."""
+  if isinstance(state, ScalerState):
+    return
+  raise TypeError(
+      f"`jaxscale.{function}` takes a `ScalerState` (from `jaxscale.init()`), got an object of "
+      f"type {type(state).__name__}.{hint} For the scaler inside an optimizer state (of "
+      "`dynamic_loss_scaling`, a `TrainState`, an `nnx.Optimizer`), pass "
+      "`jaxscale.find_scaler(opt_state)`."
   )
 
 

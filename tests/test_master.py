@@ -46,6 +46,7 @@ def run(tx, params, grads_of, steps=STEPS):
   return history, step
 
 
+@pytest.mark.hand_made_gradients
 def test_equals_float32_reference_run_bit_for_bit():
   params = f16_params()
   tx = jaxscale.master_weights(make_inner())
@@ -69,6 +70,7 @@ def chex_equal(a, b):
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+@pytest.mark.hand_made_gradients
 def test_skipped_step_leaves_everything_bitwise():
   params = f16_params()
   tx = jaxscale.master_weights(make_inner())
@@ -81,6 +83,7 @@ def test_skipped_step_leaves_everything_bitwise():
   assert bits(state_after.inner_state.inner_state) == bits(state_before.inner_state.inner_state)
 
 
+@pytest.mark.hand_made_gradients
 def test_gradients_below_float16_subnormals_reach_the_master():
   """True gradients of 2**-30 exist in float16 only scaled; a float32 unscale keeps them."""
   true_grad = 2.0**-30 * jnp.arange(1, 5, dtype=jnp.float32)
@@ -103,6 +106,7 @@ def test_wrong_nesting_is_refused():
     wrong.init({"w": jnp.ones(3, jnp.float16)})
 
 
+@pytest.mark.hand_made_gradients
 def test_inside_chain_and_found_by_find_scaler():
   params = {"w": jnp.ones(3, jnp.float16)}
   tx = optax.chain(jaxscale.master_weights(make_inner()))
@@ -176,6 +180,7 @@ def test_outside_the_documented_domain_no_float32_update_is_exact():
   assert optax.apply_updates(p, updates) != target
 
 
+@pytest.mark.hand_made_gradients
 def test_orbax_round_trip(tmp_path):
   import orbax.checkpoint as ocp
 

@@ -47,6 +47,7 @@ def test_a_flag_passed_in_is_trusted_and_the_gradients_are_not_unscaled_again(wr
   assert int(after.scaler.growth_tracker) == 1
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
 def test_a_stalled_scaler_skips_every_later_step_in_the_wrapper(wrap):
   tx = jaxscale.dynamic_loss_scaling(optax.adam(0.1), init_scale=2.0, min_scale=1.0, on_stall="raise")
@@ -63,6 +64,7 @@ def test_a_stalled_scaler_skips_every_later_step_in_the_wrapper(wrap):
     jaxscale.raise_if_stalled(after.scaler)
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["f32", "f16", "bf16"])
 def test_skipped_updates_are_negative_zero_so_negative_zero_parameters_keep_their_sign(wrap, dtype):
@@ -112,6 +114,7 @@ def twice_and_once():
   return optax.GradientTransformation(init, update)
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
 def test_a_state_leaf_output_twice_keeps_each_old_value_on_a_skipped_step(wrap):
   tx = jaxscale.dynamic_loss_scaling(twice_and_once(), init_scale=4.0)
@@ -125,6 +128,7 @@ def test_a_state_leaf_output_twice_keeps_each_old_value_on_a_skipped_step(wrap):
     np.testing.assert_array_equal(leaf, expected)
 
 
+@pytest.mark.hand_made_gradients
 def test_the_skip_decision_does_not_depend_on_which_leaf_holds_the_nan():
   tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
   update = jax.jit(lambda g, s: tx.update(g, s, PARAMS))
@@ -265,6 +269,7 @@ def test_raise_if_stalled_names_the_stalled_scalers_of_a_2d_batch():
   assert "`min_scale` (1.0)" in str(caught.value) or "`min_scale` ([1.])" in str(caught.value)
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("path", ["plain", "fallback"])
 def test_a_learning_rate_closed_over_gets_a_zero_derivative_through_a_skipped_step(path, monkeypatch):
   # The plain select (the eager path, and the fallback when the jaxpr cannot be evaluated) runs the
@@ -299,6 +304,7 @@ FAST_PATH_INNERS = {
 }
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("make", FAST_PATH_INNERS.values(), ids=FAST_PATH_INNERS.keys())
 def test_jitted_steps_select_where_produced_without_falling_back(make, monkeypatch):
   # The fallback gives the same values, only slower: a broken fast path would hide behind it.
@@ -318,6 +324,7 @@ def test_jitted_steps_select_where_produced_without_falling_back(make, monkeypat
   assert all(not np.asarray(x).any() for x in jax.tree.leaves(d))
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("path", ["jit", "eager", "fallback"])
 def test_a_skipped_step_keeps_every_dtype(path, monkeypatch):
   """float16 parameters, an int32 step count: a skipped step's updates and state keep their dtypes."""
@@ -432,6 +439,7 @@ def _changes_state_dtype():
   return optax.GradientTransformation(init, update)
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
 def test_a_skipped_step_keeps_the_dtypes_the_inner_update_returns(wrap):
   grads = {"a": jnp.array([1.0, 2.0]), "i": jnp.array([3, 4], jnp.int32)}

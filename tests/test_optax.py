@@ -235,3 +235,101 @@ def test_each_init_has_its_own_buffers():
   tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
   a, b = jax.tree.leaves(tx.init(PARAMS).scaler), jax.tree.leaves(tx.init(PARAMS).scaler)
   assert not {x.unsafe_buffer_pointer() for x in a} & {x.unsafe_buffer_pointer() for x in b}
+
+
+# --- gradients of an unscaled loss, or unscaled twice ---------------------------------------------
+
+
+def quadratic(params):
+  return jnp.sum(params["w"] ** 2)
+
+
+QUADRATIC_PARAMS = {"w": jnp.array([1.0, -2.0, 3.0])}
+
+
+def test_value_and_grad_gradients_without_finite_are_unscaled_once():
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**12)
+  state = tx.init(QUADRATIC_PARAMS)
+
+  @jax.jit
+  def step(params, state):
+    _, grads, _ = jaxscale.value_and_grad(quadratic)(jaxscale.find_scaler(state), params)
+    updates, state = tx.update(grads, state, params)
+    return updates, state
+
+  updates, state = step(QUADRATIC_PARAMS, state)
+  np.testing.assert_array_equal(updates["w"], -0.1 * 2 * QUADRATIC_PARAMS["w"])
+  # The flag comes with them: an inf skips the step.
+  _, grads, _ = jaxscale.value_and_grad(lambda p: quadratic(p) * jnp.inf)(jaxscale.find_scaler(state), QUADRATIC_PARAMS)
+  updates, state = tx.update(grads, state, QUADRATIC_PARAMS)
+  assert bool(jaxscale.find_scaler(state).last_skipped)
+
+
+def test_mixing_unscaled_and_other_gradients_is_an_error():
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  state = tx.init({"a": QUADRATIC_PARAMS, "b": QUADRATIC_PARAMS})
+  scaler = jaxscale.find_scaler(state)
+  _, grads, _ = jaxscale.value_and_grad(quadratic)(scaler, QUADRATIC_PARAMS)
+  scaled = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(QUADRATIC_PARAMS)
+  with pytest.raises(ValueError, match="1 of 2 floating leaves were already unscaled"):
+    tx.update({"a": grads, "b": scaled}, state)
+
+
+def test_forgetting_to_scale_the_loss_warns_at_trace_time():
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  state = tx.init(QUADRATIC_PARAMS)
+
+  @jax.jit
+  def step(params, state):
+    return tx.update(jax.grad(quadratic)(params), state, params)  # no jaxscale.scale
+
+  # A first, right update: a loss scaled anywhere since the last update silences the check
+  # (control flow and a second jit hand the update a scale it cannot recognise).
+  tx.update(jaxscale.scale(jaxscale.find_scaler(state), jax.grad(quadratic)(QUADRATIC_PARAMS)), state)
+  with pytest.warns(UserWarning, match="jaxscale.scale\\(jaxscale.find_scaler\\(opt_state\\), loss\\)"):
+    step(QUADRATIC_PARAMS, state)
+
+
+def test_scaled_gradients_from_another_jit_are_taken_with_their_flag():
+  # The documented way to say "these are scaled, from elsewhere": unscale where you update.
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**12)
+  state = tx.init(QUADRATIC_PARAMS)
+  grad_fn = jax.jit(lambda p, scaler: jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(p))
+  scaled = grad_fn(QUADRATIC_PARAMS, jaxscale.find_scaler(state))
+
+  @jax.jit
+  def update(grads, state, params):
+    grads, finite = jaxscale.unscale_and_check(jaxscale.find_scaler(state), grads)
+    return tx.update(grads, state, params, finite=finite)
+
+  updates, _ = update(scaled, state, QUADRATIC_PARAMS)
+  np.testing.assert_array_equal(updates["w"], -0.1 * 2 * QUADRATIC_PARAMS["w"])
+
+
+def test_an_optimizer_factory_not_called_says_call_it():
+  with pytest.raises(TypeError, match=r"call it.*optax.adam\(learning_rate\)"):
+    jaxscale.dynamic_loss_scaling(optax.adam)
+  with pytest.raises(TypeError, match="optax.GradientTransformation.*got 0.1"):
+    jaxscale.dynamic_loss_scaling(0.1)
+
+
+def test_a_misspelt_option_names_the_options():
+  with pytest.raises(TypeError, match=r"unknown options \['init_scal'\].*init_scale, growth_factor"):
+    jaxscale.dynamic_loss_scaling(optax.adam(1e-3), init_scal=1024.0)
+
+
+def test_find_scaler_of_the_optimizer_itself_asks_for_its_state():
+  with pytest.raises(ValueError, match=r"optimizer itself.*tx.init\(params\)"):
+    jaxscale.find_scaler(jaxscale.dynamic_loss_scaling(optax.adam(1e-3)))
+
+
+def test_the_inner_optimizers_state_is_refused_by_the_wrapper():
+  params = jnp.ones(2)
+  tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-3))
+  with pytest.raises(TypeError, match=r"tx.init\(params\)` of this wrapped optimizer"):
+    tx.update(params, optax.adam(1e-3).init(params), params)
+
+
+def test_a_scaler_inside_a_scaler_is_refused():
+  with pytest.raises(ValueError, match="already holds a loss scaler"):
+    jaxscale.dynamic_loss_scaling(jaxscale.dynamic_loss_scaling(optax.sgd(0.1))).init(jnp.ones(2))

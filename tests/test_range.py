@@ -177,3 +177,8 @@ def test_float32_subnormal_inputs_are_nonzero_values_not_exact_zeros(scale):
     assert expected["zero_fraction"] == 0.6 and expected["zeros"] == 1
     assert_matches(stats, {k: expected[k] for k in ("zero_fraction", "subnormal_fraction", "overflow_fraction", "zeros")})
     assert float(stats.histogram.sum() + stats.zeros + stats.nonfinite) == float(stats.size)
+
+
+def test_a_scaler_state_as_the_scale_asks_for_its_scale():
+  with pytest.raises(TypeError, match=r"got a ScalerState.*scaler.scale"):
+    jaxscale.range_stats(jnp.ones(2), scale=jaxscale.init())

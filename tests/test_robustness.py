@@ -45,6 +45,7 @@ CONSTANT_STATE = {
 }
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("make", CONSTANT_STATE.values(), ids=CONSTANT_STATE.keys())
 def test_optimizers_whose_state_holds_a_constant_jit(make):
@@ -64,6 +65,7 @@ def python_scalar_updates():
   return optax.GradientTransformation(lambda p: {"n": 0}, lambda u, s, p=None: (jax.tree.map(lambda _: 0.5, u), {"n": 1}))
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_inner_returning_python_scalars(jit):
   tx = jaxscale.dynamic_loss_scaling(python_scalar_updates(), init_scale=SCALE)
@@ -77,6 +79,7 @@ def test_inner_returning_python_scalars(jit):
   assert int(new_state.inner_state["n"]) == 0
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_inner_changing_its_state_structure_is_a_clear_error(jit):
   growing = optax.GradientTransformation(lambda p: (), lambda u, s, p=None: (u, (jnp.zeros(()),)))
@@ -102,6 +105,7 @@ FALLBACK_INNERS = {
 }
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("make", FALLBACK_INNERS.values(), ids=FALLBACK_INNERS.keys())
 def test_fallback_when_the_jaxpr_cannot_be_evaluated_gives_the_fast_paths_results(make, monkeypatch, caplog):
@@ -141,6 +145,7 @@ def test_fallback_when_the_jaxpr_cannot_be_evaluated_gives_the_fast_paths_result
   assert_bitwise_equal(slow[3][1].inner_state, slow[2][1].inner_state)
 
 
+@pytest.mark.hand_made_gradients
 def test_fallback_is_taken_only_when_the_evaluator_fails(monkeypatch):
   calls = []
   real = _optax._eval_jaxpr
@@ -196,6 +201,7 @@ def meta_loss(lr, params, grads, opt_state, *, make=optax.sgd):
   return sum(jnp.sum(p**2) for p in jax.tree.leaves(optax.apply_updates(params, updates)))
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("make", [optax.sgd, optax.adam], ids=["sgd", "adam"])
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_gradients_through_a_skipped_step_are_finite(make, jit):
@@ -217,6 +223,7 @@ def test_gradients_through_a_skipped_step_are_finite(make, jit):
   assert np.isfinite(float(d_lr)) and float(d_lr) != 0.0
 
 
+@pytest.mark.hand_made_gradients
 def test_gradient_wrt_the_incoming_gradients_of_a_skipped_step_is_zero():
   tx = jaxscale.dynamic_loss_scaling(optax.adam(0.1), init_scale=SCALE)
   opt_state = tx.init(PARAMS)

@@ -8,6 +8,7 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxscale
@@ -362,3 +363,49 @@ def test_all_finite_ignores_integers_and_agrees_over_an_axis():
   agreed = jax.vmap(lambda t: jaxscale.all_finite(t, axis_name="rows"), axis_name="rows")(poisoned)
   np.testing.assert_array_equal(per_row, [True, True, False, True])
   np.testing.assert_array_equal(agreed, [False] * 4)
+
+
+def test_value_and_grad_refuses_float16_gradients():
+  # A true gradient of 1e-9 survives only as a scaled float16 gradient; unscaled in float16 it is 0.
+  loss = lambda p: jnp.sum(p.astype(jnp.float32) * 1e-9)
+  with pytest.raises(ValueError, match="float16 gradients.*master_weights"):
+    jaxscale.value_and_grad(loss)(jaxscale.init(), jnp.ones(3, jnp.float16))
+
+
+def test_float16_parameters_keep_gradients_of_1e_minus_9_through_master_weights():
+  # The way the refusal points to: scaled float16 gradients, cast to float32 before unscaling.
+  tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**20))
+  params = jnp.zeros(3, jnp.float16)
+  state = tx.init(params)
+  loss = lambda p: jnp.sum(p.astype(jnp.float32) * 1e-9)
+  grads = jax.grad(lambda p: jaxscale.scale(jaxscale.find_scaler(state), loss(p)))(params)
+  assert grads.dtype == jnp.float16
+  _, state = tx.update(grads, state, params)
+  # The scaled gradient rounded once to float16, then exactly unscaled (float64 reference).
+  expected = -np.float64(np.float16(np.float32(1e-9) * 2**20)) / 2**20
+  np.testing.assert_allclose(state.master, expected, rtol=1e-6)
+  assert abs(expected + 1e-9) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: jaxscale.scale(s, jnp.float32(1.0)),
+        lambda s: jaxscale.unscale_and_check(s, jnp.ones(2)),
+        lambda s: jaxscale.update(s, True),
+        lambda s: jaxscale.configure(s, scale=2.0),
+        jaxscale.raise_if_stalled,
+        jaxscale.state_dict,
+        lambda s: jaxscale.load_state_dict(s, jaxscale.state_dict(jaxscale.init())),
+    ],
+    ids=["scale", "unscale_and_check", "update", "configure", "raise_if_stalled", "state_dict", "load_state_dict"],
+)
+def test_an_optimizer_state_for_a_scaler_names_find_scaler(call):
+  opt_state = jaxscale.dynamic_loss_scaling(optax.sgd(0.1)).init(jnp.zeros(2))
+  with pytest.raises(TypeError, match=r"DynamicLossScalingState.*jaxscale.find_scaler\(opt_state\)"):
+    call(opt_state)
+
+
+def test_value_and_grad_with_the_scaler_second_says_it_comes_first():
+  with pytest.raises(TypeError, match=r"scaler state comes first: `value_and_grad\(fun\)\(scaler, \*args\)`"):
+    jaxscale.value_and_grad(lambda w: jnp.sum(w**2))(jnp.ones(2), jaxscale.init())
