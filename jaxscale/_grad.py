@@ -63,6 +63,12 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
     )
     def scaled_fun(*args, **kwargs):
       out = fun(*args, **kwargs)
+      if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        # `out[0]` of an array would differentiate its first element alone.
+        raise TypeError(
+            "With `has_aux=True`, `fun` must return a pair `(loss, aux)`, as for `jax.grad`; it returned "
+            f"{f'an array of shape {jnp.shape(out)}' if hasattr(out, 'shape') else f'a {type(out).__name__}'}."
+        )
       return _scaler.scale(state, out[0] if has_aux else out), out
 
     grads, value = grad(scaled_fun, argnums=argnums, has_aux=True)(*args, **kwargs)

@@ -144,6 +144,7 @@ def dynamic_loss_scaling(
     if finite is None:
       updates, finite = _scaler.unscale_and_check_unnoted(scaler, updates, axis_name=axis_name)
     else:
+      _warn_if_still_scaled(updates, scaler)
       finite = _scaler._as_flag(finite)
       if axis_name is not None:  # each device may have checked only its own gradients
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
@@ -224,6 +225,27 @@ def _flag_of_unscaled(updates, scaler):
         stacklevel=4,
     )
   return None
+
+
+def _warn_if_still_scaled(updates, scaler):
+  """Warns, at trace time, when gradients given with ``finite=`` look like scaled ones: in this
+  trace the scale multiplied a loss and was never used to unscale (see _provenance.py)."""
+  if not isinstance(scaler.scale, Tracer):  # eagerly, one state may serve many calls
+    return
+  if _provenance.use_of(scaler.scale)[1] != "scaled":
+    return
+  leaves = [g for g in jax.tree.leaves(updates) if _scaler._is_floating(g)]
+  if any(_provenance.unscaled_flag(g) is not None for g in leaves):
+    return
+  warnings.warn(
+      "jaxscale: `dynamic_loss_scaling`'s update was given `finite=`, so it takes the gradients as "
+      "unscaled and does not divide them by the loss scale; but in this trace the scale multiplied "
+      "a loss and never unscaled anything. If these are the gradients of the scaled loss, the "
+      "update is `scale` times too large: unscale them first, `grads, finite = "
+      "jaxscale.unscale_and_check(scaler, grads)`, or drop `finite=` and let the update unscale them.",
+      UserWarning,
+      stacklevel=3,
+  )
 
 
 def _update_or_keep(finite, update, updates, inner_state, params):

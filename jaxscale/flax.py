@@ -161,7 +161,7 @@ def from_dynamic_scale(dynamic_scale: Any, **init_options: Any) -> _scaler.Scale
     >>> float(state.scale), int(state.growth_tracker), int(state.growth_interval)
     (1024.0, 7, 101)
   """
-  from flax.training.dynamic_scale import DynamicScale  # noqa: PLC0415 - only when used
+  from flax.training.dynamic_scale import DynamicScale
 
   if not isinstance(dynamic_scale, DynamicScale):
     raise TypeError(
@@ -169,13 +169,13 @@ def from_dynamic_scale(dynamic_scale: Any, **init_options: Any) -> _scaler.Scale
         f"type {type(dynamic_scale).__name__}."
     )
   minimum = dynamic_scale.minimum_scale
-  options = dict(
-      init_scale=_python(dynamic_scale.scale),
-      growth_factor=dynamic_scale.growth_factor,
-      backoff_factor=dynamic_scale.backoff_factor,
-      growth_interval=dynamic_scale.growth_interval + 1,
-      min_scale=0.0 if minimum is None else minimum,
-  )
+  options = {
+      "init_scale": _python(dynamic_scale.scale),
+      "growth_factor": dynamic_scale.growth_factor,
+      "backoff_factor": dynamic_scale.backoff_factor,
+      "growth_interval": dynamic_scale.growth_interval + 1,
+      "min_scale": 0.0 if minimum is None else minimum,
+  }
   options.update(init_options)
   return _scaler.configure(_scaler.init(**options), growth_tracker=_python(dynamic_scale.fin_steps))
 

@@ -333,3 +333,17 @@ def test_the_inner_optimizers_state_is_refused_by_the_wrapper():
 def test_a_scaler_inside_a_scaler_is_refused():
   with pytest.raises(ValueError, match="already holds a loss scaler"):
     jaxscale.dynamic_loss_scaling(jaxscale.dynamic_loss_scaling(optax.sgd(0.1))).init(jnp.ones(2))
+
+
+def test_scaled_gradients_given_with_finite_warn_at_trace_time():
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  state = tx.init(QUADRATIC_PARAMS)
+
+  @jax.jit
+  def step(params, state):
+    scaler = jaxscale.find_scaler(state)
+    grads = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(params)
+    return tx.update(grads, state, params, finite=jaxscale.all_finite(grads))  # never unscaled
+
+  with pytest.warns(UserWarning, match="given `finite=`.*never unscaled anything"):
+    step(QUADRATIC_PARAMS, state)

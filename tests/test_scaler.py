@@ -409,3 +409,9 @@ def test_an_optimizer_state_for_a_scaler_names_find_scaler(call):
 def test_value_and_grad_with_the_scaler_second_says_it_comes_first():
   with pytest.raises(TypeError, match=r"scaler state comes first: `value_and_grad\(fun\)\(scaler, \*args\)`"):
     jaxscale.value_and_grad(lambda w: jnp.sum(w**2))(jnp.ones(2), jaxscale.init())
+
+
+def test_value_and_grad_with_has_aux_needs_a_pair():
+  # `out[0]` of a vector would have differentiated its first element alone.
+  with pytest.raises(TypeError, match=r"pair `\(loss, aux\)`.*shape \(3,\)"):
+    jaxscale.value_and_grad(lambda w: w**2, has_aux=True)(jaxscale.init(), jnp.ones(3))
