@@ -133,7 +133,8 @@ def dynamic_loss_scaling(
       raise TypeError(
           "`dynamic_loss_scaling`'s update takes the state its own `init` built (a "
           f"`DynamicLossScalingState`), got an object of type {type(state).__name__}; build it "
-          "with `tx.init(params)` of this wrapped optimizer, not of the inner one."
+          "with `tx.init(params)` of this wrapped optimizer, not of the inner one (a checkpoint "
+          "restored without a target is a dict: restore it into the structure of `tx.init(params)`)."
       )
     if not enabled:
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)

@@ -379,6 +379,9 @@ def unscale_and_check(
     is True iff every element of every unscaled leaf is finite (on every
     device of ``axis_name``). Always True when the state is disabled.
 
+    The Optax wrapper recognises these gradients, unchanged, while it is
+    traced, and takes ``finite`` with them: they are never unscaled twice.
+
   Examples:
     >>> import jax.numpy as jnp, jaxscale
     >>> state = jaxscale.init(init_scale=1024.0)
