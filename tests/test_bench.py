@@ -47,6 +47,7 @@ def _one_step(variant, grads=None):
   return before[0], jax.device_get(params), before[1], jax.device_get(state)
 
 
+@pytest.mark.hand_made_gradients  # the benchmark times the update on given scaled gradients
 @pytest.mark.parametrize("variant", SCALED)
 def test_a_finite_step_matches_the_unscaled_twin(variant):
   _require(variant)
@@ -57,6 +58,7 @@ def test_a_finite_step_matches_the_unscaled_twin(variant):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.hand_made_gradients  # the benchmark times the update on given scaled gradients
 @pytest.mark.parametrize("variant", SCALED)
 def test_an_inf_step_is_skipped_and_the_scale_backs_off(variant):
   _require(variant)
@@ -68,6 +70,7 @@ def test_an_inf_step_is_skipped_and_the_scale_backs_off(variant):
   assert float(bench._current_scale(new_state)) == float(bench._current_scale(state)) / 2
 
 
+@pytest.mark.hand_made_gradients  # the benchmark times the update on given scaled gradients
 def test_the_quick_page_and_chart_are_written(tmp_path):
   pytest.importorskip("matplotlib")
   variants = ["plain", "jaxscale"]
