@@ -207,7 +207,9 @@ def _flag_of_unscaled(updates, scaler):
         "flag: `tx.update(grads, opt_state, params, finite=finite)`, or put the transformation "
         "inside the optimizer (`dynamic_loss_scaling(optax.chain(clip, adam))`) and give it the "
         "scaled gradients of `jax.grad` of `jaxscale.scale(scaler, loss)` (as a Flax "
-        "`TrainState.apply_gradients` needs, since it cannot pass `finite=`)."
+        "`TrainState.apply_gradients` needs, since it cannot pass `finite=`). If they are scaled "
+        "gradients and you unscaled a copy only to inspect it, pass that unscaled copy with "
+        "`finite=` instead."
     )
   if scaled:
     _provenance.forget_scaled_since()
