@@ -143,6 +143,7 @@ def dynamic_loss_scaling(
     if finite is None:
       finite = _flag_of_unscaled(updates, scaler)
     if finite is None:
+      _warn_if_float16(updates)
       updates, finite = _scaler.unscale_and_check_unnoted(scaler, updates, axis_name=axis_name)
     else:
       _warn_if_still_scaled(updates, scaler)
@@ -228,6 +229,20 @@ def _flag_of_unscaled(updates, scaler):
         stacklevel=4,
     )
   return None
+
+
+def _warn_if_float16(updates):
+  """Warns, at trace time, when the wrapper is to unscale float16 gradients in float16."""
+  if any(_scaler._is_floating(g) and jnp.result_type(g) == jnp.float16 for g in jax.tree.leaves(updates)):
+    warnings.warn(
+        "jaxscale: `dynamic_loss_scaling` was given float16 gradients (of float16 parameters) to "
+        "unscale: in float16 every true gradient below 2**-24 flushes to zero again, and those "
+        "parameters stop learning. Wrap it as `jaxscale.master_weights(jaxscale.dynamic_loss_scaling("
+        "inner))`, which casts the gradients to float32 before they are unscaled, or keep float32 "
+        "parameters and compute in float16.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _warn_if_still_scaled(updates, scaler):

@@ -64,6 +64,7 @@ def test_a_stalled_scaler_skips_every_later_step_in_the_wrapper(wrap):
     jaxscale.raise_if_stalled(after.scaler)
 
 
+@pytest.mark.filterwarnings("ignore:jaxscale. .dynamic_loss_scaling. was given float16 gradients:UserWarning")
 @pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["f32", "f16", "bf16"])
@@ -324,6 +325,7 @@ def test_jitted_steps_select_where_produced_without_falling_back(make, monkeypat
   assert all(not np.asarray(x).any() for x in jax.tree.leaves(d))
 
 
+@pytest.mark.filterwarnings("ignore:jaxscale. .dynamic_loss_scaling. was given float16 gradients:UserWarning")
 @pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("path", ["jit", "eager", "fallback"])
 def test_a_skipped_step_keeps_every_dtype(path, monkeypatch):

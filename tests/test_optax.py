@@ -211,6 +211,7 @@ def test_finite_extra_arg_skips_the_second_check():
   assert_bitwise_equal(skip_state.inner_state, state.inner_state)
 
 
+@pytest.mark.filterwarnings("ignore:jaxscale. .dynamic_loss_scaling. was given float16 gradients:UserWarning")
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=["f16", "bf16", "f32"])
 def test_low_precision_gradients_keep_their_dtype(dtype):
   params = jax.tree.map(lambda p: p.astype(dtype), PARAMS)
@@ -347,3 +348,20 @@ def test_scaled_gradients_given_with_finite_warn_at_trace_time():
 
   with pytest.warns(UserWarning, match="given `finite=`.*never unscaled anything"):
     step(QUADRATIC_PARAMS, state)
+
+
+def test_float16_gradients_unscaled_by_the_wrapper_warn_at_trace_time():
+  # A true gradient of 2**-30 survives only scaled (2**-14 at 2**16); unscaled in float16 it is 0.
+  params = jnp.zeros(2, jnp.float16)
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(1.0))
+  state = tx.init(params)
+  true = jnp.full(2, 2.0**-30, jnp.float32)
+  grads = jaxscale.scale(jaxscale.find_scaler(state), true).astype(jnp.float16)  # float16 holds 2**-14
+  with pytest.warns(UserWarning, match=r"float16 gradients.*master_weights\(jaxscale.dynamic_loss_scaling"):
+    updates, _ = tx.update(grads, state, params)
+  assert not np.asarray(updates).any()  # what the warning is about: the gradient flushed to zero
+  right = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0)))
+  right_state = right.init(params)
+  grads = jaxscale.scale(jaxscale.find_scaler(right_state), true).astype(jnp.float16)
+  _, right_state = right.update(grads, right_state, params)  # no warning: unscaled in float32
+  np.testing.assert_array_equal(right_state.master, -(2.0**-30))
