@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -9,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxscale import _scaler, _tree
+from jaxscale import _provenance, _scaler, _tree
 
 
 class DynamicLossScalingState(NamedTuple):
@@ -53,6 +55,18 @@ def dynamic_loss_scaling(
   The flag must be a boolean scalar; with ``axis_name`` the devices still
   agree on it (a step is skipped everywhere if any device's flag is False).
 
+  Without ``finite=``, what the update is given is checked while it is traced
+  (nothing of it enters the compiled step): gradients that
+  :func:`jaxscale.value_and_grad` or :func:`jaxscale.unscale_and_check`
+  returned, unchanged, are recognised as unscaled and bring their flag (so
+  ``TrainState.apply_gradients`` and ``nnx.Optimizer.update``, which cannot
+  pass ``finite=``, never unscale them twice); such gradients changed by hand
+  are a ValueError; and gradients when no loss was multiplied by a scale (a
+  forgotten :func:`jaxscale.scale`) give a ``UserWarning``. Scaled gradients
+  computed in another jitted function cannot be recognised: unscale them
+  with :func:`jaxscale.unscale_and_check` where you update, and pass
+  ``finite=``.
+
   A skipped step runs ``inner`` all the same (on zero gradients, its results
   thrown away): side effects inside it, such as ``jax.debug.print`` or host
   callbacks, happen on skipped steps too. Derivatives through a skipped step
@@ -87,23 +101,48 @@ def dynamic_loss_scaling(
     >>> optax.apply_updates(params, updates)
     Array([0.8, 0.8], dtype=float32)
   """
+  _require_transformation(inner, "dynamic_loss_scaling")
   inner = optax.with_extra_args_support(inner)
+  known = inspect.signature(_scaler.init).parameters
+  unknown = sorted(set(init_options) - set(known))
+  if unknown:
+    raise TypeError(
+        f"`dynamic_loss_scaling` got unknown options {unknown}; it takes `axis_name` and the "
+        f"options of `jaxscale.init`: {', '.join(known)}."
+    )
   _scaler.init(**init_options)  # validates the options before any tracing
   enabled = init_options.get("enabled", True)
 
   def init_fn(params):
     inner_state = inner.init(params)
     _refuse_what_must_not_be_inside(inner_state)
+    if any(_is_scaler(x) for x in jax.tree.leaves(inner_state, is_leaf=_is_scaler)):
+      raise ValueError(
+          "`dynamic_loss_scaling` wraps an optimizer that already holds a loss scaler (a "
+          "`dynamic_loss_scaling` inside `inner`): the gradients would be unscaled twice. Wrap "
+          "the optimizer once, outermost (inside `master_weights`, if any)."
+      )
     return DynamicLossScalingState(_scaler.init(**init_options), inner_state)
 
   def update_fn(updates, state, params=None, *, finite=None, **extra_args):
+    if not (hasattr(state, "scaler") and hasattr(state, "inner_state")):
+      raise TypeError(
+          "`dynamic_loss_scaling`'s update takes the state its own `init` built (a "
+          f"`DynamicLossScalingState`), got an object of type {type(state).__name__}; build it "
+          "with `tx.init(params)` of this wrapped optimizer, not of the inner one (a checkpoint "
+          "restored without a target is a dict: restore it into the structure of `tx.init(params)`)."
+      )
     if not enabled:
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
     scaler = state.scaler
     if finite is None:
-      updates, finite = _scaler.unscale_and_check(scaler, updates, axis_name=axis_name)
+      finite = _flag_of_unscaled(updates, scaler)
+    if finite is None:
+      _warn_if_float16(updates)
+      updates, finite = _scaler.unscale_and_check_unnoted(scaler, updates, axis_name=axis_name)
     else:
+      _warn_if_still_scaled(updates, scaler)
       finite = _scaler._as_flag(finite)
       if axis_name is not None:  # each device may have checked only its own gradients
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
@@ -114,6 +153,113 @@ def dynamic_loss_scaling(
     return updates, DynamicLossScalingState(_scaler.update(scaler, finite), inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _require_transformation(inner: Any, function: str) -> None:
+  """Raises a TypeError that says what to pass if ``inner`` is not an Optax transformation."""
+  if isinstance(inner, optax.GradientTransformation) or (
+      callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))
+  ):
+    return
+  if callable(inner):
+    name = getattr(inner, "__qualname__", None) or type(inner).__name__
+    module = getattr(inner, "__module__", "") or ""
+    shown = f"optax.{name}" if module.startswith("optax") else name
+    hint = f"it looks like the factory itself: call it, e.g. `{function}({shown}(learning_rate))`"
+  else:
+    hint = f"pass one, e.g. `{function}(optax.adam(1e-3))`"
+  raise TypeError(
+      f"`{function}` wraps an `optax.GradientTransformation`, got {inner!r} of type "
+      f"{type(inner).__name__}; {hint}."
+  )
+
+
+def _flag_of_unscaled(updates, scaler):
+  """The finite flag of ``updates`` if they are known unscaled, else None (they are taken
+  as scaled). Raises or warns, at trace time, where they can be neither (see _provenance.py)."""
+  leaves = [g for g in jax.tree.leaves(updates) if _tree.is_floating(g)]
+  flags = [_provenance.unscaled_flag(g) for g in leaves]
+  known = [f for f in flags if f is not None]
+  if known and len(known) < len(leaves):
+    raise ValueError(
+        f"`dynamic_loss_scaling`'s update was given gradients of which {len(known)} of "
+        f"{len(leaves)} floating leaves were already unscaled (by `jaxscale.value_and_grad` or "
+        "`jaxscale.unscale_and_check`) and the others not; it would divide the unscaled ones by "
+        "the loss scale a second time. Unscale them all and pass the flag: "
+        "`tx.update(grads, opt_state, params, finite=finite)`."
+    )
+  if known:  # all unscaled already: their flag comes with them (several calls: all must hold)
+    _provenance.forget_scaled_since()
+    finite = known[0]
+    for flag in known[1:]:
+      finite = finite if flag is finite else finite & flag
+    return finite
+  scaled, last = _provenance.use_of(scaler.scale)
+  if last == "unscaled" and isinstance(scaler.scale, jax.core.Tracer):  # eagerly, one state may serve many calls
+    raise ValueError(
+        "`dynamic_loss_scaling`'s update was given gradients without `finite=`, but the last "
+        "use of its loss scale in this trace was to unscale gradients (`jaxscale.value_and_grad` "
+        "or `jaxscale.unscale_and_check`): if these are those gradients, transformed (clipped, "
+        "averaged, ...), the update would divide them by the scale a second time. Pass their "
+        "flag: `tx.update(grads, opt_state, params, finite=finite)`, or put the transformation "
+        "inside the optimizer (`dynamic_loss_scaling(optax.chain(clip, adam))`) and give it the "
+        "scaled gradients of `jax.grad` of `jaxscale.scale(scaler, loss)` (as a Flax "
+        "`TrainState.apply_gradients` needs, since it cannot pass `finite=`). If they are scaled "
+        "gradients and you unscaled a copy only to inspect it, pass that unscaled copy with "
+        "`finite=` instead."
+    )
+  if scaled:
+    _provenance.forget_scaled_since()
+  elif not _provenance.scaled_since():
+    warnings.warn(
+        "jaxscale: `dynamic_loss_scaling`'s update was given gradients without `finite=`, so it "
+        "takes them as gradients of a scaled loss and divides them by the loss scale; but no "
+        "loss was multiplied by this optimizer's scale here, nor any loss by any scale since an "
+        "update last saw its own. Gradients of an unscaled loss would then train `scale` times too slowly. "
+        "Differentiate `jaxscale.scale(jaxscale.find_scaler(opt_state), loss)`, or use "
+        "`jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params)`. If the "
+        "gradients are scaled but were computed elsewhere (in another jitted function), unscale "
+        "them where you update, `grads, finite = jaxscale.unscale_and_check("
+        "jaxscale.find_scaler(opt_state), grads)`, and pass `finite=finite`.",
+        UserWarning,
+        stacklevel=4,
+    )
+  return None
+
+
+def _warn_if_float16(updates):
+  """Warns, at trace time, when the wrapper is to unscale float16 gradients in float16."""
+  if any(_tree.is_floating(g) and jnp.result_type(g) == jnp.float16 for g in jax.tree.leaves(updates)):
+    warnings.warn(
+        "jaxscale: `dynamic_loss_scaling` was given float16 gradients (of float16 parameters) to "
+        "unscale: in float16 every true gradient below 2**-24 flushes to zero again, and those "
+        "parameters stop learning. Wrap it as `jaxscale.master_weights(jaxscale.dynamic_loss_scaling("
+        "inner))`, which casts the gradients to float32 before they are unscaled, or keep float32 "
+        "parameters and compute in float16.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _warn_if_still_scaled(updates, scaler):
+  """Warns, at trace time, when gradients given with ``finite=`` look like scaled ones: in this
+  trace the scale multiplied a loss and was never used to unscale (see _provenance.py)."""
+  if not isinstance(scaler.scale, jax.core.Tracer):  # eagerly, one state may serve many calls
+    return
+  if _provenance.use_of(scaler.scale)[1] != "scaled":
+    return
+  leaves = [g for g in jax.tree.leaves(updates) if _tree.is_floating(g)]
+  if any(_provenance.unscaled_flag(g) is not None for g in leaves):
+    return
+  warnings.warn(
+      "jaxscale: `dynamic_loss_scaling`'s update was given `finite=`, so it takes the gradients as "
+      "unscaled and does not divide them by the loss scale; but in this trace the scale multiplied "
+      "a loss and never unscaled anything. If these are the gradients of the scaled loss, the "
+      "update is `scale` times too large: unscale them first, `grads, finite = "
+      "jaxscale.unscale_and_check(scaler, grads)`, or drop `finite=` and let the update unscale them.",
+      UserWarning,
+      stacklevel=3,
+  )
 
 
 def _update_or_keep(finite, update, updates, inner_state, params):
@@ -246,6 +392,11 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
       for leaf in jax.tree.leaves(opt_state, is_leaf=_is_scaler)
       if _is_scaler(leaf)
   ]
+  if isinstance(opt_state, optax.GradientTransformation):
+    raise ValueError(
+        "`find_scaler` takes an optimizer *state*, got the optimizer itself (a "
+        "`GradientTransformation`); pass `opt_state = tx.init(params)` (or `state.opt_state`)."
+    )
   if len(found) != 1:
     what = "no ScalerState" if not found else f"{len(found)} ScalerStates"
     raise ValueError(

@@ -66,9 +66,20 @@ class Policy:
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
+      if isinstance(value, str):  # read as `get_policy` reads it: "f16" is float16, not NumPy's float128
+        name = value.strip().lower()
+        if name not in _NAMES:
+          raise ValueError(
+              f"`Policy.{field.name}` got the unknown dtype name {value!r}; use one of "
+              f"{', '.join(_NAMES)} (as in `get_policy`), or a dtype such as jnp.float16."
+          )
+        value = _dtype(name, value)
       dtype = _as_dtype(value)
-      if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"`Policy.{field.name}` must be a floating dtype, got {value!r}.")
+      if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 8:
+        raise ValueError(
+            f"`Policy.{field.name}` must be a floating dtype JAX computes in (float16, bfloat16, "
+            f"float32, ...), got {value!r}."
+        )
       object.__setattr__(self, field.name, dtype)  # normalised: jnp.float16 == dtype('float16')
 
   def cast_to_param(self, tree: T) -> T:

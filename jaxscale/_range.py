@@ -79,18 +79,46 @@ def _check_dtype(dtype: Any) -> np.dtype:
     raise ValueError(f"`dtype` must be a floating dtype such as jnp.float16, got {dtype!r}.") from None
   with np.errstate(over="ignore"):
     saturates = np.isfinite((np.array(finfo.max, np.float32) * np.float32(2)).astype(dtype))
-  if dtype.itemsize not in (1, 2, 4) or saturates or not finfo.smallest_subnormal:
+  if dtype.itemsize not in (1, 2, 4) or saturates or not finfo.smallest_subnormal or not _ieee_layout(dtype):
     raise ValueError(
-        f"`dtype` must be float32 or narrower, with subnormals and an inf or NaN for overflow to become "
-        f"(float16, bfloat16, float8_e4m3fn, float8_e5m2, ...), got {dtype}."
+        f"`dtype` must be float32 or narrower, with a sign bit, a zero, subnormals and an inf or NaN "
+        f"above its largest value for overflow to become (float16, bfloat16, float8_e4m3fn, "
+        f"float8_e5m2, ...), got {dtype}. (The `fnuz` formats keep their NaN where -0.0 would be, "
+        f"and float8_e8m0fnu has no sign, zero or subnormals: their casts cannot be classified here.)"
     )
   return dtype
+
+
+def _ieee_layout(dtype: np.dtype) -> bool:
+  """Whether ``dtype``'s bits are classified as the counts read them: +0 all zero, a sign bit
+  that only negates, and NaN's magnitude above the largest finite one."""
+  with np.errstate(all="ignore"):
+    probe = np.array([0.0, 1.0, -1.0, np.nan, float(jnp.finfo(dtype).max)], np.float32).astype(dtype)
+  bits = probe.view(f"uint{8 * dtype.itemsize}").astype(np.uint64)
+  sign = np.uint64(1 << (8 * dtype.itemsize - 1))
+  return bool(bits[0] == 0 and bits[2] == bits[1] | sign and (bits[3] & ~sign) > (bits[4] & ~sign))
 
 
 def _magnitude_bits(x: jax.Array) -> jax.Array:
   """|x| as unsigned bits: ordered like |x|, and immune to flush-to-zero arithmetic."""
   bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
   return bits & ~np.array(1 << (8 * x.dtype.itemsize - 1), bits.dtype)
+
+
+def _nonzero_bits(x: jax.Array) -> jax.Array:
+  """``x != 0``, read from the bits, so that a subnormal input is nonzero.
+
+  Tested on the whole word (``magnitude_bits(x) != 0``), LLVM turns the test
+  back into a float comparison, which XLA:CPU's flush-to-zero mode answers
+  with "zero" for every float32 subnormal (issue #18, case 6). Its two halves,
+  tested apart, are integers to the end.
+  """
+  if x.dtype.itemsize < 4:
+    return _magnitude_bits(x) != 0
+  half = jnp.dtype(f"uint{4 * x.dtype.itemsize}")
+  halves = jax.lax.bitcast_convert_type(x, half)  # shape x.shape + (2,), low half first
+  sign = np.array(1 << (4 * x.dtype.itemsize - 1), half)
+  return (halves[..., 0] != 0) | ((halves[..., 1] & ~sign) != 0)
 
 
 def _leaf_counts(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> dict[str, jax.Array]:
@@ -105,7 +133,7 @@ def _leaf_counts(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> dict[str, j
   # Classified in the leaf's own dtype: a float64 1e300 is a finite input that overflows, not an inf
   # input, and 1e-300 a nonzero one that underflows, though float32 holds neither.
   finite = jnp.isfinite(x)
-  nonzero = finite & (_magnitude_bits(x) != 0)
+  nonzero = finite & _nonzero_bits(x)
   scaled = x.astype(jnp.float32) * scale
   # Every class of the cast is read from its bits: XLA:GPU folds a float32 -> float16 -> float32 round
   # trip away (`xla_allow_excess_precision`), so `isfinite(cast)` there would test `scaled` itself.
@@ -240,6 +268,11 @@ def range_stats(tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typi
     >>> float(jaxscale.range_stats(grads, scale=1024.0).zero_fraction)
     0.0
   """
+  if isinstance(scale, tuple):  # a ScalerState (a NamedTuple) would read as an array of its fields
+    raise TypeError(
+        f"`scale` must be a number or a scalar array, got a {type(scale).__name__}; for a scaler's "
+        "scale pass `scaler.scale` (`jaxscale.find_scaler(opt_state).scale`)."
+    )
   # A float32 array whatever was given, so that 1.0 and jnp.float32(1.0) share one compilation.
   scale = jnp.asarray(scale, jnp.float32)
   if scale.shape:

@@ -13,10 +13,13 @@ The rule (torch.amp.GradScaler's, plus bounds, hysteresis and a static mode)::
         growth_tracker = 0
         hysteresis_tracker = max(hysteresis_tracker - 1, 0)
         if dynamic and hysteresis_tracker == 0:
-            scale = max(scale * backoff_factor, min_scale)
+            scale = max(scale * backoff_factor, min_scale, 2**-126)
 
 With the defaults (``hysteresis=1``, ``min_scale=0``, ``max_scale=inf``) this is
-exactly torch's ``_amp_update_scale_``. Hysteresis follows Megatron-LM's
+exactly torch's ``_amp_update_scale_``, except that the scale never backs off
+below 2**-126, float32's smallest normal number (torch's goes on to 2**-127
+after 143 overflows in a row from 2**16, which XLA flushes to 0: every later
+step would then be skipped). Hysteresis follows Megatron-LM's
 ``DynamicGradScaler``: the tolerance is spent by non-finite steps and refilled
 only when the scale grows (DeepSpeed refills it on every finite step instead).
 """
@@ -32,6 +35,7 @@ import numpy as np
 import optax
 from jax.core import Tracer
 
+from jaxscale import _provenance
 from jaxscale._tree import is_floating as _is_floating
 
 StallPolicy = Literal["skip", "raise"]
@@ -111,12 +115,17 @@ def init(
     hysteresis: non-finite steps tolerated before the scale backs off
       (Megatron-LM's meaning: the tolerance refills when the scale grows).
       Every non-finite step is skipped regardless. 1 backs off at once.
-    min_scale: the scale never backs off below this. May be below 1.
+    min_scale: the scale never backs off below this. May be below 1. Whatever
+      it is, the scale never backs off below 2**-126, float32's smallest
+      normal number: below it XLA flushes the scale to 0 and no step could
+      ever be taken again. (torch's does, after 126 or more back-offs in a
+      row from its default scale.) A scale at this floor counts as
+      ``min_scale`` for ``on_stall``.
     max_scale: the scale never grows above this.
     dynamic: False keeps the scale fixed at ``init_scale`` (a static loss
       scale); non-finite steps are still skipped and counted.
     on_stall: what happens when a step overflows while the scale is already
-      at ``min_scale``: ``"skip"`` keeps skipping such steps; ``"raise"`` sets
+      at ``min_scale`` (or at 2**-126): ``"skip"`` keeps skipping such steps; ``"raise"`` sets
       the sticky ``stalled`` flag, skips every later step (the parameters stay
       at their last good values) and makes :func:`raise_if_stalled` raise.
       The flag lives on the device: checking it is a host sync, so do it at
@@ -199,6 +208,7 @@ def configure(state: ScalerState, **options: Any) -> ScalerState:
     >>> int(state.growth_interval), float(state.scale)
     (10, 128.0)
   """
+  require_state(state, "configure")
   unknown = sorted(set(options) - set(_OPTION_DTYPES))
   if unknown:
     raise ValueError(
@@ -334,6 +344,7 @@ def scale(state: ScalerState, tree: Any) -> Any:
     >>> jaxscale.scale(jaxscale.init(init_scale=8.0), jnp.float16(0.5))
     Array(4., dtype=float16)
   """
+  require_state(state, "scale")
   leaves = jax.tree.leaves(tree)
   if not any(_is_floating(x) for x in leaves):
     dtypes = [jnp.result_type(x).name for x in leaves]
@@ -342,6 +353,7 @@ def scale(state: ScalerState, tree: Any) -> Any:
         f"floating leaf), but got leaves of dtypes {dtypes}."
     )
 
+  _provenance.note_scaled(state.scale)
   return jax.tree.map(lambda x: _times(x, state.scale), tree)
 
 
@@ -365,6 +377,9 @@ def unscale_and_check(
     is True iff every element of every unscaled leaf is finite (on every
     device of ``axis_name``). Always True when the state is disabled.
 
+    The Optax wrapper recognises these gradients, unchanged, while it is
+    traced, and takes ``finite`` with them: they are never unscaled twice.
+
   Examples:
     >>> import jax.numpy as jnp, jaxscale
     >>> state = jaxscale.init(init_scale=1024.0)
@@ -373,6 +388,15 @@ def unscale_and_check(
     >>> jaxscale.unscale_and_check(state, jnp.array([1.0, jnp.inf], jnp.float16))
     (Array([0.000977, inf], dtype=float16), Array(False, dtype=bool))
   """
+  require_state(state, "unscale_and_check")
+  unscaled, finite = unscale_and_check_unnoted(state, grads, axis_name=axis_name)
+  _provenance.note_unscaled(state.scale, [g for g in jax.tree.leaves(unscaled) if _is_floating(g)], finite)
+  return unscaled, finite
+
+
+def unscale_and_check_unnoted(state: ScalerState, grads: Any, *, axis_name: Any = None) -> tuple[Any, jax.Array]:
+  """:func:`unscale_and_check` without noting its results: the wrapper's own unscaling, which
+  hands the gradients to nobody else (see _provenance.py)."""
   r1, r2 = _reciprocal_factors(state.scale)
   unscaled = jax.tree.map(lambda g: _times(g, r1, r2), grads)
   # The flag must hold for the unscaled gradients, but it is computed from
@@ -507,6 +531,7 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
     >>> float(state.scale), int(state.skipped_steps)
     (512.0, 1)
   """
+  require_state(state, "update")
   finite = _as_flag(finite) & ~state.stalled
   dynamic = state.dynamic
   hysteresis_left = jnp.where(finite, state.hysteresis_tracker, jnp.maximum(state.hysteresis_tracker - 1, 0))
@@ -517,8 +542,11 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   grown = state.scale * state.growth_factor
   # torch keeps the scale when growing would overflow float32.
   grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, state.max_scale), state.scale)
-  backed_off = jnp.maximum(state.scale * state.backoff_factor, state.min_scale)
-  at_floor = state.scale <= state.min_scale
+  # Whatever `min_scale`, the scale stays a normal float32: below 2**-126 XLA
+  # flushes it to 0, and 0 * inf = NaN would skip every later step.
+  floor = jnp.maximum(state.min_scale, _TINY)
+  backed_off = jnp.maximum(state.scale * state.backoff_factor, floor)
+  at_floor = state.scale <= floor
 
   new = state._replace(
       scale=jnp.where(grow, grown, jnp.where(back_off, backed_off, state.scale)),
@@ -574,10 +602,11 @@ def raise_if_stalled(state: ScalerState) -> None:
     ...
     FloatingPointError: jaxscale: a step overflowed while the loss scale was already at `min_scale` (1.0); ...
   """
+  require_state(state, "raise_if_stalled")
   stalled = np.asarray(jax.device_get(state.stalled))
   if not stalled.any():
     return
-  floor = np.asarray(jax.device_get(state.min_scale))
+  floor = np.maximum(np.asarray(jax.device_get(state.min_scale)), np.float32(_TINY))
   which = ""
   if stalled.shape != ():
     indices = np.flatnonzero(stalled) if stalled.ndim == 1 else np.argwhere(stalled)
@@ -585,9 +614,27 @@ def raise_if_stalled(state: ScalerState) -> None:
     floor = np.unique(np.broadcast_to(floor, stalled.shape)[stalled])
   raise FloatingPointError(
       f"jaxscale: a step overflowed while the loss scale was already at `min_scale` "
-      f"({_show(floor)}){which}; every step since has been skipped and the parameters hold "
+      f"({_floor_text(floor)}){which}; every step since has been skipped and the parameters hold "
       "their last finite values. Lower `min_scale`, or look for the source of the inf/NaN in the model."
   )
+
+
+def require_state(state: Any, function: str, hint: str = "") -> None:
+  """Raises a TypeError that says what to pass if ``state`` is not a :class:`ScalerState`."""
+  if isinstance(state, ScalerState):
+    return
+  raise TypeError(
+      f"`jaxscale.{function}` takes a `ScalerState` (from `jaxscale.init()`), got an object of "
+      f"type {type(state).__name__}.{hint} For the scaler inside an optimizer state (of "
+      "`dynamic_loss_scaling`, a `TrainState`, an `nnx.Optimizer`), pass "
+      "`jaxscale.find_scaler(opt_state)`."
+  )
+
+
+def _floor_text(floor: np.ndarray) -> str:
+  """The floor as a number, with "2**-126" named where float32's own floor applies."""
+  text = str(_show(floor))
+  return f"{text} = 2**-126, the smallest the scale can be" if np.all(floor == np.float32(_TINY)) else text
 
 
 def _wide(dtype) -> Any:

@@ -129,6 +129,24 @@ class ProbeResult(NamedTuple):
   max_magnitude: jax.Array  # shape=(), float32; largest unscaled |gradient|, taps included
 
 
+def _check_taps(names: list[str], seen: set[str], stats: dict[str, _range.RangeStats]) -> None:
+  """Raises if a named tap is not in ``loss_fn``: its statistics would read as all zero.
+
+  The names are those ``tap`` was called with while ``loss_fn`` was traced; a
+  ``loss_fn`` jitted on its own and already traced calls no ``tap``, so there
+  the statistics' ``size`` decides where it is known (eagerly).
+  """
+  missing = [n for n in names if n not in seen]
+  if missing and not seen:
+    missing = [n for n in missing if not isinstance(stats[n].size, jax.core.Tracer) and float(stats[n].size) == 0]
+  if missing:
+    raise ValueError(
+        f"`probe_scale` was given taps {missing} that `loss_fn` never taps; the `jaxscale.tap` names "
+        f"it calls are {sorted(seen) if seen else 'none'}. Check the spelling, and that `loss_fn` "
+        "passes its `taps` argument on to `jaxscale.tap`."
+    )
+
+
 def probe_scale(
     loss_fn: Callable[..., jax.Array],
     params: Any,
@@ -166,6 +184,10 @@ def probe_scale(
     headroom: as in :func:`suggest_scale`.
     grad: the differentiation to use (``jax.grad``, ``nnx.grad``).
 
+  Raises:
+    TypeError: if ``taps`` is a single string rather than a list of names.
+    ValueError: if a name in ``taps`` is not tapped by ``loss_fn``.
+
   Returns:
     A :class:`ProbeResult`; pass ``float(result.scale)`` as ``init_scale``
     to :func:`jaxscale.dynamic_loss_scaling` or :func:`jaxscale.init`.
@@ -185,6 +207,8 @@ def probe_scale(
   """
   dtype = _range._check_dtype(dtype)
   headroom_exponent = _check_headroom(headroom)
+  if isinstance(taps, str):
+    raise TypeError(f"`taps` must be a list of tap names, got the single string {taps!r}; pass [{taps!r}].")
   names = list(taps)
   probes = _taps.tap_probes(names) if names else None
 
@@ -198,7 +222,9 @@ def probe_scale(
       return (grads, {}), loss
     return grad(scaled_loss, argnums=(0, 1), has_aux=True)(params, probes)
 
-  gradients, loss = measure(1.0)
+  with _taps.recording() as seen:
+    gradients, loss = measure(1.0)
+  _check_taps(names, seen, gradients[1])
   bits = _max_magnitude(gradients)
   scale = _scale_for(bits, dtype, headroom_exponent)
   loss_dtype = jnp.dtype(loss.dtype)

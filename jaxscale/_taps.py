@@ -17,7 +17,8 @@ adds nothing to the computation, compiled or not.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -44,6 +45,21 @@ def _tap_bwd(dtype, residual, cotangent):
 
 
 _tap.defvjp(_tap_fwd, _tap_bwd)
+
+# The names `tap` was called with while `recording` (at trace time), so that
+# `probe_scale` can tell a misspelt tap from one that saw only zeros.
+_recording: list[set[str]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[set[str]]:
+  """Collects the names of the :func:`tap` calls made inside the block."""
+  names: set[str] = set()
+  _recording.append(names)
+  try:
+    yield names
+  finally:
+    _recording.pop()
 
 
 def tap_probes(names: Iterable[str]) -> dict[str, _range.RangeStats]:
@@ -124,6 +140,8 @@ def tap(
     >>> grad_w == jax.grad(loss)(2.0, jnp.ones(4))
     Array(True, dtype=bool, weak_type=True)
   """
+  for names in _recording:
+    names.add(name)
   if probes is None:
     return x
   if not isinstance(probes, Mapping):

@@ -44,8 +44,8 @@ def state_dict(state: _scaler.ScalerState) -> dict[str, float | int]:
     >>> jaxscale.state_dict(jaxscale.init())
     {'scale': 65536.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 2000, '_growth_tracker': 0}
   """
-  state = jax.device_get(state)
   _require_one_scaler(state, "state_dict")
+  state = jax.device_get(state)
   if not state.enabled:
     return {}
   return {key: getattr(state, field).item() for key, field in _TORCH_KEYS.items()}
@@ -99,6 +99,7 @@ def load_state_dict(state: _scaler.ScalerState, d: Mapping[str, Any]) -> _scaler
 
 
 def _require_one_scaler(state: _scaler.ScalerState, name: str) -> None:
+  _scaler.require_state(state, name)
   shape = jax.numpy.shape(state.scale)
   if shape != ():
     raise ValueError(

@@ -86,7 +86,7 @@ except ImportError as e:  # an optional extra: say which one
       "install it with `pip install 'jaxscale[flax]'`."
   ) from e
 
-from jaxscale import _grad
+from jaxscale import _grad, _scaler
 
 
 def value_and_grad(
@@ -128,3 +128,57 @@ def value_and_grad(
   """
 
   return _grad.value_and_grad_with(nnx.grad, fun, argnums, has_aux, axis_name)
+
+
+def from_dynamic_scale(dynamic_scale: Any, **init_options: Any) -> _scaler.ScalerState:
+  """A :class:`jaxscale.ScalerState` that continues a Flax ``DynamicScale``.
+
+  For a run that resumes, after the migration, from a checkpoint saved with
+  ``flax.training.dynamic_scale.DynamicScale``: its ``scale`` becomes the
+  scale, its ``fin_steps`` the growth tracker, and its options carry over,
+  with ``growth_interval + 1`` (Flax grows one step later than torch and
+  jaxscale, see docs/migrating/flax.md) and ``minimum_scale`` as
+  ``min_scale``. From there the two scale the same way step for step.
+
+  Args:
+    dynamic_scale: a Flax ``DynamicScale`` (or one restored from a checkpoint).
+    **init_options: other options for :func:`jaxscale.init` (``hysteresis``,
+      ``max_scale``, ``on_stall``, ...), or to override the carried ones.
+
+  Returns:
+    The :class:`jaxscale.ScalerState`. To put it into an optimizer state,
+    replace the one ``jaxscale.find_scaler(opt_state)`` finds (see
+    docs/migrating/flax.md).
+
+  Raises:
+    TypeError: if ``dynamic_scale`` is not a Flax ``DynamicScale``.
+
+  Examples:
+    >>> import jaxscale.flax
+    >>> from flax.training.dynamic_scale import DynamicScale
+    >>> old = DynamicScale(growth_interval=100, scale=1024.0, fin_steps=7)
+    >>> state = jaxscale.flax.from_dynamic_scale(old)
+    >>> float(state.scale), int(state.growth_tracker), int(state.growth_interval)
+    (1024.0, 7, 101)
+  """
+  from flax.training.dynamic_scale import DynamicScale
+
+  if not isinstance(dynamic_scale, DynamicScale):
+    raise TypeError(
+        "`from_dynamic_scale` takes a `flax.training.dynamic_scale.DynamicScale`, got an object of "
+        f"type {type(dynamic_scale).__name__}."
+    )
+  minimum = dynamic_scale.minimum_scale
+  options = {
+      "init_scale": _python(dynamic_scale.scale),
+      "growth_factor": dynamic_scale.growth_factor,
+      "backoff_factor": dynamic_scale.backoff_factor,
+      "growth_interval": dynamic_scale.growth_interval + 1,
+      "min_scale": 0.0 if minimum is None else minimum,
+  }
+  options.update(init_options)
+  return _scaler.configure(_scaler.init(**options), growth_tracker=_python(dynamic_scale.fin_steps))
+
+
+def _python(value: Any) -> Any:
+  return value.item() if hasattr(value, "item") else value

@@ -13,8 +13,9 @@ class ReferenceScaler:
   OPTIONS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
              "min_scale", "max_scale", "dynamic", "growth_tracker")
 
-  def __init__(self, *, enabled, on_stall, init_scale, growth_factor, backoff_factor,
-               growth_interval, hysteresis, min_scale, max_scale, dynamic):
+  def __init__(self, *, enabled=True, on_stall="skip", init_scale=2.0**16, growth_factor=2.0,
+               backoff_factor=0.5, growth_interval=2000, hysteresis=1, min_scale=0.0,
+               max_scale=float("inf"), dynamic=True):  # torch's defaults, and jaxscale's own
     self.enabled = enabled
     self.raise_on_stall = on_stall == "raise"
     self.scale = f32(init_scale) if enabled else f32(1.0)
@@ -74,12 +75,14 @@ class ReferenceScaler:
         self.growth_tracker = 0
         self.hysteresis_tracker = self.hysteresis
     else:
-      at_floor = self.scale <= self.min_scale
+      # Never below float32's smallest normal number, whatever `min_scale` (torch's goes on).
+      floor = max(self.min_scale, f32(2.0**-126))
+      at_floor = self.scale <= floor
       self.skipped_steps = min(self.skipped_steps + 1, INT32_MAX)
       self.growth_tracker = 0
       self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
       if self.dynamic and self.hysteresis_tracker == 0:
-        self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+        self.scale = max(self.scale * self.backoff_factor, floor)
       if self.raise_on_stall and self.dynamic and at_floor:
         self.stalled = True
     self.last_skipped = not finite

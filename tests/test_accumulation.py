@@ -40,8 +40,7 @@ def feed(tx, grads, *, scaled):
   update = jax.jit(tx.update)
   history = []
   for g in grads:
-    scale = jaxscale.find_scaler(state).scale if scaled else 1.0
-    updates, state = update(jax.tree.map(lambda x: x * scale, g), state, params)
+    updates, state = update(jaxscale.scale(jaxscale.find_scaler(state), g) if scaled else g, state, params)
     params = optax.apply_updates(params, updates)
     history.append((params, float(jaxscale.find_scaler(state).scale) if scaled else None))
   return history

@@ -8,6 +8,7 @@ definition of the training run.
 import sys
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -120,6 +121,7 @@ def test_flax_msgpack_round_trip_continues_bit_for_bit():
   assert train_step._cache_size() == before
 
 
+@pytest.mark.hand_made_gradients
 def test_turning_loss_scaling_on_when_restoring_a_checkpoint_saved_without_it(tmp_path):
   # A run without loss scaling saved params and a plain Adam state.
   inner = optax.adam(1e-2)

@@ -155,3 +155,94 @@ def test_find_scaler_in_every_nnx_view_gives_plain_arrays():
     return jaxscale.scale(jaxscale.find_scaler(optimizer.opt_state), loss)
 
   assert float(scaled(optimizer, jnp.float32(0.5))) == 2.0**8
+
+
+# --- gradients that jaxscale.value_and_grad already unscaled ---------------------------------------
+
+
+def quadratic(params):
+  return jnp.sum(params["w"] ** 2)
+
+
+def test_train_state_with_value_and_grad_unscales_once():
+  # `apply_gradients` cannot pass `finite=`: the unscaled gradients bring their flag with them.
+  params = {"w": jnp.array([1.0, -2.0, 3.0])}
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=INIT_SCALE)
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+  @jax.jit
+  def step(state):
+    scaler = jaxscale.find_scaler(state.opt_state)
+    _, grads, _ = jaxscale.value_and_grad(quadratic)(scaler, state.params)
+    return state.apply_gradients(grads=grads)
+
+  state = step(state)
+  np.testing.assert_array_equal(state.params["w"], params["w"] - 0.1 * 2 * params["w"])  # plain SGD
+  assert int(jaxscale.find_scaler(state.opt_state).growth_tracker) == 1
+
+
+def test_nnx_optimizer_with_value_and_grad_unscales_once():
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, jaxscale.dynamic_loss_scaling(optax.sgd(0.5), init_scale=INIT_SCALE), wrt=nnx.Param)
+  bias = model.bias[...]
+
+  @nnx.jit
+  def step(model, optimizer):
+    scaler = jaxscale.find_scaler(optimizer.opt_state)
+    _, grads, _ = jaxscale.flax.value_and_grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(scaler, model)
+    optimizer.update(model, grads)  # no `finite=`
+
+  step(model, optimizer)
+  np.testing.assert_array_equal(model.bias[...], bias - 0.5)  # d(sum)/d(bias) = 1
+
+
+def test_train_state_with_transformed_unscaled_gradients_is_an_error():
+  params = {"w": jnp.array([1.0, -2.0, 3.0])}
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+  @jax.jit
+  def step(state):
+    scaler = jaxscale.find_scaler(state.opt_state)
+    _, grads, _ = jaxscale.value_and_grad(quadratic)(scaler, state.params)
+    grads = jax.tree.map(lambda g: jnp.clip(g, -1.0, 1.0), grads)  # clipped by hand
+    return state.apply_gradients(grads=grads)
+
+  with pytest.raises(ValueError, match="a second time.*finite=finite"):
+    step(state)
+
+
+def test_train_state_forgetting_to_scale_the_loss_warns_at_trace_time():
+  params = {"w": jnp.array([1.0, -2.0, 3.0])}
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=jaxscale.dynamic_loss_scaling(optax.sgd(0.1)))
+
+  @jax.jit
+  def step(state):
+    return state.apply_gradients(grads=jax.grad(quadratic)(state.params))  # no jaxscale.scale
+
+  # A first, right update: a loss scaled anywhere since the last update silences the check.
+  state.tx.update(jaxscale.scale(jaxscale.find_scaler(state.opt_state), params), state.opt_state)
+  with pytest.warns(UserWarning, match="no loss was multiplied by this optimizer's scale"):
+    step(state)
+
+
+def test_from_dynamic_scale_resumes_a_flax_run_step_for_step():
+  from flax.training.dynamic_scale import DynamicScale
+
+  flags = [True] * 5 + [False] + [True] * 9 + [False, False] + [True] * 8
+  step = jax.jit(lambda ds, g: ds.value_and_grad(lambda w: jnp.sum(w * g))(jnp.ones(2))[:2])
+  dyn = DynamicScale(growth_interval=3, scale=jnp.float32(2.0**10), fin_steps=jnp.int32(0))
+  for finite in flags[:7]:  # before the migration: a checkpoint holds `dyn`
+    dyn, _ = step(dyn, jnp.array([1.0, 1.0 if finite else jnp.inf]))
+  state = jaxscale.flax.from_dynamic_scale(dyn)
+  for finite in flags[7:]:  # after: both go on, the same way
+    dyn, is_fin = step(dyn, jnp.array([1.0, 1.0 if finite else jnp.inf]))
+    state = jaxscale.update(state, is_fin)
+    assert float(state.scale) == float(dyn.scale)
+    assert int(state.growth_tracker) == int(dyn.fin_steps)
+  assert float(dyn.scale) != 2.0**10  # it grew and backed off on the way
+
+
+def test_from_dynamic_scale_refuses_other_objects():
+  with pytest.raises(TypeError, match="DynamicScale"):
+    jaxscale.flax.from_dynamic_scale(jaxscale.init())

@@ -210,6 +210,7 @@ def test_finite_extra_arg_skips_the_second_check():
   assert_bitwise_equal(skip_state.inner_state, state.inner_state)
 
 
+@pytest.mark.filterwarnings("ignore:jaxscale. .dynamic_loss_scaling. was given float16 gradients:UserWarning")
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=["f16", "bf16", "f32"])
 def test_low_precision_gradients_keep_their_dtype(dtype):
   params = jax.tree.map(lambda p: p.astype(dtype), PARAMS)
@@ -267,6 +268,7 @@ def test_a_flag_passed_in_is_trusted_and_the_gradients_are_not_unscaled_again(wr
   assert int(after.scaler.growth_tracker) == 1
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
 def test_a_stalled_scaler_skips_every_later_step_in_the_wrapper(wrap):
   tx = jaxscale.dynamic_loss_scaling(optax.adam(0.1), init_scale=2.0, min_scale=1.0, on_stall="raise")
@@ -283,6 +285,8 @@ def test_a_stalled_scaler_skips_every_later_step_in_the_wrapper(wrap):
     jaxscale.raise_if_stalled(after.scaler)
 
 
+@pytest.mark.filterwarnings("ignore:jaxscale. .dynamic_loss_scaling. was given float16 gradients:UserWarning")
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["f32", "f16", "bf16"])
 def test_skipped_updates_are_negative_zero_so_negative_zero_parameters_keep_their_sign(wrap, dtype):
@@ -311,6 +315,7 @@ def twice_and_once():
   return optax.GradientTransformation(init, update)
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
 def test_a_state_leaf_output_twice_keeps_each_old_value_on_a_skipped_step(wrap):
   tx = jaxscale.dynamic_loss_scaling(twice_and_once(), init_scale=4.0)
@@ -324,6 +329,7 @@ def test_a_state_leaf_output_twice_keeps_each_old_value_on_a_skipped_step(wrap):
     np.testing.assert_array_equal(leaf, expected)
 
 
+@pytest.mark.hand_made_gradients
 def test_the_skip_decision_does_not_depend_on_which_leaf_holds_the_nan():
   tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
   update = jax.jit(lambda g, s: tx.update(g, s, SMALL_PARAMS))
@@ -341,6 +347,7 @@ def test_find_scaler_counts_the_scalers_it_found():
   assert str(caught.value).startswith("`find_scaler` found 2 ScalerStates in an object of type dict;")
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("path", ["eager", "jit"])
 def test_a_learning_rate_closed_over_gets_a_zero_derivative_through_a_skipped_step(path):
   # A skipped step runs the inner update on zeroed gradients: `lr * inf` would make d/dlr NaN, not 0.
@@ -370,6 +377,7 @@ SKIP_INNERS = {
 }
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("make", SKIP_INNERS.values(), ids=SKIP_INNERS.keys())
 def test_a_jitted_skipped_step_keeps_the_state_and_has_zero_derivatives(make):
   tx = jaxscale.dynamic_loss_scaling(make(), init_scale=4.0)
@@ -383,6 +391,8 @@ def test_a_jitted_skipped_step_keeps_the_state_and_has_zero_derivatives(make):
   assert all(not np.asarray(x).any() for x in jax.tree.leaves(d))
 
 
+@pytest.mark.filterwarnings("ignore:jaxscale. .dynamic_loss_scaling. was given float16 gradients:UserWarning")
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("path", ["jit", "eager"])
 def test_a_skipped_step_keeps_every_dtype(path):
   """float16 parameters, an int32 step count: a skipped step's updates and state keep their dtypes."""
@@ -408,6 +418,7 @@ def _changes_state_dtype():
   return optax.GradientTransformation(init, update)
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
 def test_a_skipped_step_keeps_the_dtypes_the_inner_update_returns(wrap):
   grads = {"a": jnp.array([1.0, 2.0]), "i": jnp.array([3, 4], jnp.int32)}
@@ -422,3 +433,132 @@ def test_a_skipped_step_keeps_the_dtypes_the_inner_update_returns(wrap):
       for k in ("m", "a", "b"):
         assert taken.inner_state[k].dtype == skipped.inner_state[k].dtype == state_dtype
       assert bits(skipped.inner_state) == bits(taken.inner_state)
+
+
+# --- gradients of an unscaled loss, or unscaled twice ---------------------------------------------
+
+
+def quadratic(params):
+  return jnp.sum(params["w"] ** 2)
+
+
+QUADRATIC_PARAMS = {"w": jnp.array([1.0, -2.0, 3.0])}
+
+
+def test_value_and_grad_gradients_without_finite_are_unscaled_once():
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**12)
+  state = tx.init(QUADRATIC_PARAMS)
+
+  @jax.jit
+  def step(params, state):
+    _, grads, _ = jaxscale.value_and_grad(quadratic)(jaxscale.find_scaler(state), params)
+    updates, state = tx.update(grads, state, params)
+    return updates, state
+
+  updates, state = step(QUADRATIC_PARAMS, state)
+  np.testing.assert_array_equal(updates["w"], -0.1 * 2 * QUADRATIC_PARAMS["w"])
+  # The flag comes with them: an inf skips the step.
+  _, grads, _ = jaxscale.value_and_grad(lambda p: quadratic(p) * jnp.inf)(jaxscale.find_scaler(state), QUADRATIC_PARAMS)
+  updates, state = tx.update(grads, state, QUADRATIC_PARAMS)
+  assert bool(jaxscale.find_scaler(state).last_skipped)
+
+
+def test_mixing_unscaled_and_other_gradients_is_an_error():
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  state = tx.init({"a": QUADRATIC_PARAMS, "b": QUADRATIC_PARAMS})
+  scaler = jaxscale.find_scaler(state)
+  _, grads, _ = jaxscale.value_and_grad(quadratic)(scaler, QUADRATIC_PARAMS)
+  scaled = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(QUADRATIC_PARAMS)
+  with pytest.raises(ValueError, match="1 of 2 floating leaves were already unscaled"):
+    tx.update({"a": grads, "b": scaled}, state)
+
+
+def test_forgetting_to_scale_the_loss_warns_at_trace_time():
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  state = tx.init(QUADRATIC_PARAMS)
+
+  @jax.jit
+  def step(params, state):
+    return tx.update(jax.grad(quadratic)(params), state, params)  # no jaxscale.scale
+
+  # A first, right update: a loss scaled anywhere since the last update silences the check
+  # (control flow and a second jit hand the update a scale it cannot recognise).
+  tx.update(jaxscale.scale(jaxscale.find_scaler(state), jax.grad(quadratic)(QUADRATIC_PARAMS)), state)
+  with pytest.warns(UserWarning, match="jaxscale.scale\\(jaxscale.find_scaler\\(opt_state\\), loss\\)"):
+    step(QUADRATIC_PARAMS, state)
+
+
+def test_scaled_gradients_from_another_jit_are_taken_with_their_flag():
+  # The documented way to say "these are scaled, from elsewhere": unscale where you update.
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**12)
+  state = tx.init(QUADRATIC_PARAMS)
+  grad_fn = jax.jit(lambda p, scaler: jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(p))
+  scaled = grad_fn(QUADRATIC_PARAMS, jaxscale.find_scaler(state))
+
+  @jax.jit
+  def update(grads, state, params):
+    grads, finite = jaxscale.unscale_and_check(jaxscale.find_scaler(state), grads)
+    return tx.update(grads, state, params, finite=finite)
+
+  updates, _ = update(scaled, state, QUADRATIC_PARAMS)
+  np.testing.assert_array_equal(updates["w"], -0.1 * 2 * QUADRATIC_PARAMS["w"])
+
+
+def test_an_optimizer_factory_not_called_says_call_it():
+  with pytest.raises(TypeError, match=r"call it.*optax.adam\(learning_rate\)"):
+    jaxscale.dynamic_loss_scaling(optax.adam)
+  with pytest.raises(TypeError, match="optax.GradientTransformation.*got 0.1"):
+    jaxscale.dynamic_loss_scaling(0.1)
+
+
+def test_a_misspelt_option_names_the_options():
+  with pytest.raises(TypeError, match=r"unknown options \['init_scal'\].*init_scale, growth_factor"):
+    jaxscale.dynamic_loss_scaling(optax.adam(1e-3), init_scal=1024.0)
+
+
+def test_find_scaler_of_the_optimizer_itself_asks_for_its_state():
+  with pytest.raises(ValueError, match=r"optimizer itself.*tx.init\(params\)"):
+    jaxscale.find_scaler(jaxscale.dynamic_loss_scaling(optax.adam(1e-3)))
+
+
+def test_the_inner_optimizers_state_is_refused_by_the_wrapper():
+  params = jnp.ones(2)
+  tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-3))
+  with pytest.raises(TypeError, match=r"tx.init\(params\)` of this wrapped optimizer"):
+    tx.update(params, optax.adam(1e-3).init(params), params)
+
+
+def test_a_scaler_inside_a_scaler_is_refused():
+  with pytest.raises(ValueError, match="already holds a loss scaler"):
+    jaxscale.dynamic_loss_scaling(jaxscale.dynamic_loss_scaling(optax.sgd(0.1))).init(jnp.ones(2))
+
+
+def test_scaled_gradients_given_with_finite_warn_at_trace_time():
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  state = tx.init(QUADRATIC_PARAMS)
+
+  @jax.jit
+  def step(params, state):
+    scaler = jaxscale.find_scaler(state)
+    grads = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(params)
+    return tx.update(grads, state, params, finite=jaxscale.all_finite(grads))  # never unscaled
+
+  with pytest.warns(UserWarning, match="given `finite=`.*never unscaled anything"):
+    step(QUADRATIC_PARAMS, state)
+
+
+def test_float16_gradients_unscaled_by_the_wrapper_warn_at_trace_time():
+  # A true gradient of 2**-30 survives only scaled (2**-14 at 2**16); unscaled in float16 it is 0.
+  params = jnp.zeros(2, jnp.float16)
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(1.0))
+  state = tx.init(params)
+  true = jnp.full(2, 2.0**-30, jnp.float32)
+  grads = jaxscale.scale(jaxscale.find_scaler(state), true).astype(jnp.float16)  # float16 holds 2**-14
+  with pytest.warns(UserWarning, match=r"float16 gradients.*master_weights\(jaxscale.dynamic_loss_scaling"):
+    updates, _ = tx.update(grads, state, params)
+  assert not np.asarray(updates).any()  # what the warning is about: the gradient flushed to zero
+  right = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0)))
+  right_state = right.init(params)
+  grads = jaxscale.scale(jaxscale.find_scaler(right_state), true).astype(jnp.float16)
+  _, right_state = right.update(grads, right_state, params)  # no warning: unscaled in float32
+  np.testing.assert_array_equal(right_state.master, -(2.0**-30))

@@ -62,6 +62,22 @@ def test_bad_types():
     jaxscale.Policy(None, jnp.float16, jnp.float32)
 
 
+@pytest.mark.parametrize("name, dtype", [("f16", F16), ("F32", F32), ("bf16", BF16), ("half", F16), ("float16", F16)])
+def test_constructor_reads_dtype_names_as_get_policy_does(name, dtype):
+  # NumPy reads "f16" as float128: loss scaling would be silently off.
+  policy = jaxscale.Policy("f32", name, "f32")
+  assert policy.compute_dtype == dtype == jaxscale.get_policy(f"c={name}").compute_dtype
+  assert jaxscale.needs_loss_scaling(policy) == (dtype == F16)
+
+
+@pytest.mark.parametrize("name", ["f8", "f4", "e", "float128", "halfs"])
+def test_constructor_refuses_names_get_policy_refuses(name):
+  with pytest.raises(ValueError, match=f"compute_dtype.*{name!r}.*f16"):
+    jaxscale.Policy(jnp.float32, name, jnp.float32)
+  with pytest.raises(ValueError, match="float128|longdouble"):
+    jaxscale.Policy(jnp.float32, np.longdouble, jnp.float32)
+
+
 def test_policy_is_hashable_static_arg():
   calls = []
 

@@ -104,7 +104,9 @@ def test_format_range_stats_rows():
   assert lines[2].split(" | ")[2:5] == ["50.00", "0.00", "0.00"] and lines[3].split(" | ")[4] == "100.00"
 
 
-@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float64, "float4_e2m1fn", "not a dtype"])
+@pytest.mark.parametrize(
+    "dtype", [jnp.int32, jnp.float64, "float4_e2m1fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "not a dtype"]
+)
 def test_rejects_dtypes_it_cannot_see(dtype):
   dtype = getattr(jnp, dtype, dtype) if isinstance(dtype, str) else dtype
   with pytest.raises(ValueError, match="`dtype`"):
@@ -163,3 +165,20 @@ def test_few_leaf_sized_temporaries():
   leaf = jax.ShapeDtypeStruct((2**20,), jnp.float32)
   compiled = _range._range_stats.lower({"g": leaf}, jnp.float32(1.0), np.dtype(jnp.float16)).compile()
   assert compiled.memory_analysis().temp_size_in_bytes <= 5 * leaf.size * 4
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**10], ids=["scale_1", "scale_2e10"])
+def test_float32_subnormal_inputs_are_nonzero_values_not_exact_zeros(scale):
+  # Three nonzero inputs that float16 flushes to zero (and that XLA:CPU's arithmetic flushes
+  # too), one exact zero, one normal value: judged from the inputs' bits, as NumPy does.
+  x = np.array([2.0**-127, 2.0**-149, -(2.0**-130), 0.0, 1e-3], np.float32)
+  for stats in (jaxscale.range_stats(x, scale=jnp.float32(scale)), jax.jit(jaxscale.range_stats)(x, scale=scale)):
+    expected = reference(x, scale, np.float16)
+    assert expected["zero_fraction"] == 0.6 and expected["zeros"] == 1
+    assert_matches(stats, {k: expected[k] for k in ("zero_fraction", "subnormal_fraction", "overflow_fraction", "zeros")})
+    assert float(stats.histogram.sum() + stats.zeros + stats.nonfinite) == float(stats.size)
+
+
+def test_a_scaler_state_as_the_scale_asks_for_its_scale():
+  with pytest.raises(TypeError, match=r"got a ScalerState.*scaler.scale"):
+    jaxscale.range_stats(jnp.ones(2), scale=jaxscale.init())

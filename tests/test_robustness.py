@@ -36,6 +36,7 @@ CONSTANT_STATE = {
 }
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("make", CONSTANT_STATE.values(), ids=CONSTANT_STATE.keys())
 def test_optimizers_whose_state_holds_a_constant_jit(make):
@@ -55,6 +56,7 @@ def python_scalar_updates():
   return optax.GradientTransformation(lambda p: {"n": 0}, lambda u, s, p=None: (jax.tree.map(lambda _: 0.5, u), {"n": 1}))
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_inner_returning_python_scalars(jit):
   tx = jaxscale.dynamic_loss_scaling(python_scalar_updates(), init_scale=SCALE)
@@ -68,6 +70,7 @@ def test_inner_returning_python_scalars(jit):
   assert int(new_state.inner_state["n"]) == 0
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_inner_changing_its_state_structure_is_a_clear_error(jit):
   growing = optax.GradientTransformation(lambda p: (), lambda u, s, p=None: (u, (jnp.zeros(()),)))
@@ -93,6 +96,7 @@ SKIP_INNERS = {
 }
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("make", SKIP_INNERS.values(), ids=SKIP_INNERS.keys())
 def test_eager_and_jitted_steps_agree_and_skip_bit_for_bit(make):
@@ -174,6 +178,7 @@ def meta_loss(lr, params, grads, opt_state, *, make=optax.sgd):
   return sum(jnp.sum(p**2) for p in jax.tree.leaves(optax.apply_updates(params, updates)))
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("make", [optax.sgd, optax.adam], ids=["sgd", "adam"])
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_gradients_through_a_skipped_step_are_finite(make, jit):
@@ -195,6 +200,7 @@ def test_gradients_through_a_skipped_step_are_finite(make, jit):
   assert np.isfinite(float(d_lr)) and float(d_lr) != 0.0
 
 
+@pytest.mark.hand_made_gradients
 def test_gradient_wrt_the_incoming_gradients_of_a_skipped_step_is_zero():
   tx = jaxscale.dynamic_loss_scaling(optax.adam(0.1), init_scale=SCALE)
   opt_state = tx.init(PARAMS)

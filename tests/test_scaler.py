@@ -7,6 +7,7 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxscale
@@ -22,6 +23,7 @@ OPTION_SETS = {
     "bounded": dict(init_scale=4.0, growth_interval=1, min_scale=0.25, max_scale=64.0),
     "static": dict(init_scale=128.0, growth_interval=1, dynamic=False),
     "growth_overflows_float32": dict(init_scale=2.0**126, growth_interval=1),
+    "backoff_to_float32_floor": dict(init_scale=2.0**-120, backoff_factor=0.25, growth_interval=5),
 }
 
 
@@ -80,6 +82,30 @@ def test_backoff_below_one_stops_at_min_scale():
     state = jaxscale.update(state, False)
     scales.append(float(state.scale))
   assert scales == [0.5, 0.25, 0.125, 0.125, 0.125]
+
+
+def test_backoff_never_leaves_float32_normal_range():
+  # 2**16 backs off to 2**-126 in 142 overflows; torch would go on to 2**-127,
+  # which XLA flushes to 0: then every unscale is 0 * inf = NaN, forever.
+  state, ref = jaxscale.init(), ReferenceScaler()
+  for _ in range(200):
+    state = jit_update(state, jnp.asarray(False))
+    ref.update(False)
+    assert float(state.scale) == ref.scale
+  assert float(state.scale) == 2.0**-126
+  grads, finite = jaxscale.unscale_and_check(state, {"w": jnp.array([2.0**-100, 0.0])})
+  assert bool(finite) and grads["w"].tolist() == [2.0**26, 0.0]
+
+
+def test_scale_stuck_at_float32_floor_is_a_stall():
+  state = jaxscale.init(init_scale=2.0**-125, on_stall="raise")
+  state = jaxscale.update(state, False)  # 2**-126: the floor, not a stall yet
+  assert float(state.scale) == 2.0**-126 and not bool(state.stalled)
+  jaxscale.raise_if_stalled(state)
+  state = jaxscale.update(state, False)  # an overflow at the floor
+  assert bool(state.stalled)
+  with pytest.raises(FloatingPointError, match="2\\*\\*-126"):
+    jaxscale.raise_if_stalled(state)
 
 
 def test_on_stall_skip_keeps_going():
@@ -352,3 +378,55 @@ def test_traced_options_are_stored_in_their_documented_dtypes():
       jnp.array([8, 16]), jnp.array([3.0, 4.0]), jnp.array([1.0, 2.0]))
   assert (states.scale.dtype, states.growth_interval.dtype) == (jnp.float32, jnp.int32)
   assert (states.hysteresis.dtype, states.hysteresis_tracker.dtype) == (jnp.int32, jnp.int32)
+
+
+def test_value_and_grad_refuses_float16_gradients():
+  # A true gradient of 1e-9 survives only as a scaled float16 gradient; unscaled in float16 it is 0.
+  loss = lambda p: jnp.sum(p.astype(jnp.float32) * 1e-9)
+  with pytest.raises(ValueError, match="float16 gradients.*master_weights"):
+    jaxscale.value_and_grad(loss)(jaxscale.init(), jnp.ones(3, jnp.float16))
+
+
+def test_float16_parameters_keep_gradients_of_1e_minus_9_through_master_weights():
+  # The way the refusal points to: scaled float16 gradients, cast to float32 before unscaling.
+  tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**20))
+  params = jnp.zeros(3, jnp.float16)
+  state = tx.init(params)
+  loss = lambda p: jnp.sum(p.astype(jnp.float32) * 1e-9)
+  grads = jax.grad(lambda p: jaxscale.scale(jaxscale.find_scaler(state), loss(p)))(params)
+  assert grads.dtype == jnp.float16
+  _, state = tx.update(grads, state, params)
+  # The scaled gradient rounded once to float16, then exactly unscaled (float64 reference).
+  expected = -np.float64(np.float16(np.float32(1e-9) * 2**20)) / 2**20
+  np.testing.assert_allclose(state.master, expected, rtol=1e-6)
+  assert abs(expected + 1e-9) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: jaxscale.scale(s, jnp.float32(1.0)),
+        lambda s: jaxscale.unscale_and_check(s, jnp.ones(2)),
+        lambda s: jaxscale.update(s, True),
+        lambda s: jaxscale.configure(s, scale=2.0),
+        jaxscale.raise_if_stalled,
+        jaxscale.state_dict,
+        lambda s: jaxscale.load_state_dict(s, jaxscale.state_dict(jaxscale.init())),
+    ],
+    ids=["scale", "unscale_and_check", "update", "configure", "raise_if_stalled", "state_dict", "load_state_dict"],
+)
+def test_an_optimizer_state_for_a_scaler_names_find_scaler(call):
+  opt_state = jaxscale.dynamic_loss_scaling(optax.sgd(0.1)).init(jnp.zeros(2))
+  with pytest.raises(TypeError, match=r"DynamicLossScalingState.*jaxscale.find_scaler\(opt_state\)"):
+    call(opt_state)
+
+
+def test_value_and_grad_with_the_scaler_second_says_it_comes_first():
+  with pytest.raises(TypeError, match=r"scaler state comes first: `value_and_grad\(fun\)\(scaler, \*args\)`"):
+    jaxscale.value_and_grad(lambda w: jnp.sum(w**2))(jnp.ones(2), jaxscale.init())
+
+
+def test_value_and_grad_with_has_aux_needs_a_pair():
+  # `out[0]` of a vector would have differentiated its first element alone.
+  with pytest.raises(TypeError, match=r"pair `\(loss, aux\)`.*shape \(3,\)"):
+    jaxscale.value_and_grad(lambda w: w**2, has_aux=True)(jaxscale.init(), jnp.ones(3))

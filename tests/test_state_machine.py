@@ -18,6 +18,7 @@ import os
 
 import flax.serialization
 import hypothesis
+import pytest
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -310,4 +311,4 @@ ScalerMachine.TestCase.settings = hypothesis.settings(
     max_examples=int(os.environ.get("JAXSCALE_STATE_MACHINE_EXAMPLES", "100")), stateful_step_count=50, deadline=None, derandomize=True, database=None,
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
-test_scaler_state_machine = ScalerMachine.TestCase
+test_scaler_state_machine = pytest.mark.hand_made_gradients(ScalerMachine.TestCase)

@@ -130,3 +130,21 @@ def test_at_twice_the_scale_the_largest_exceeds_the_maximum_though_it_may_round_
   """The documented bound is `max |x| * s * headroom <= finfo.max`; just above 65504 the cast rounds down."""
   scale = float(jaxscale.suggest_scale(jnp.array([65505.0]), headroom=1))
   assert scale == 0.5 and not overflows([65505.0], 2 * scale, np.float16)
+
+
+def tapped_loss(w, x, taps=None):
+  h = jaxscale.tap(jnp.tanh(x @ w), taps, "hidden")
+  return jnp.mean(h**2) * 1e-9
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_probe_scale_refuses_taps_that_loss_fn_does_not_tap(jit):
+  w, x = jnp.full((4, 3), 0.1), jnp.ones((8, 4))
+  probe = lambda w, x: jaxscale.probe_scale(tapped_loss, w, x, taps=["hidden", "hiden"])
+  with pytest.raises(ValueError, match=r"taps \['hiden'\].*\['hidden'\]"):
+    (jax.jit(probe) if jit else probe)(w, x)
+
+
+def test_probe_scale_refuses_a_single_tap_name_as_a_string():
+  with pytest.raises(TypeError, match=r"single string 'hidden'; pass \['hidden'\]"):
+    jaxscale.probe_scale(tapped_loss, jnp.full((4, 3), 0.1), jnp.ones((8, 4)), taps="hidden")

@@ -166,3 +166,18 @@ def test_load_state_dict_accepts_tensors():
        "growth_interval": 7, "_growth_tracker": 5}
   state = jaxscale.load_state_dict(jaxscale.init(), d)
   assert jaxscale.state_dict(state) == {**d, "scale": 512.0}
+
+
+def test_live_torch_backs_off_below_float32_normal_range_where_jaxscale_stops():
+  # A documented difference: after 143 overflows in a row from 2**16 torch's scale is 2**-127
+  # (a subnormal, 0 where it is flushed); jaxscale's stops at 2**-126 and agrees until then.
+  torch = live_torch()
+  scale = torch.full((1,), 2.0**16)
+  tracker = torch.zeros((1,), dtype=torch.int32)
+  state = jaxscale.init()
+  for step in range(143):
+    torch._amp_update_scale_(scale, tracker, torch.ones((1,)), 2.0, 0.5, 2000)
+    state = jaxscale.update(state, False)
+    if step < 142:
+      assert float(state.scale) == scale.item()
+  assert scale.item() == 2.0**-127 and float(state.scale) == 2.0**-126

@@ -105,6 +105,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mapper", MAPPERS)
 def test_wrapper_skips_on_every_device(mapper, layout):
