@@ -205,7 +205,7 @@ def precision_run(spec: str) -> RunConfig:
     name = f"auto = {presets.get(str(policy), policy)}"
   else:
     policy = jaxscale.get_policy(spec)
-    # However float32 was spelt, it is the reference the summary compares with.
+    # However float32 was spelt, it is the reference of the "held-out loss vs float32" column.
     name = RUNS[0].name if policy == jaxscale.get_policy("float32") else spec
   return RunConfig(name, policy.compute_dtype, jaxscale.needs_loss_scaling(policy), policy)
 
