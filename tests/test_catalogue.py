@@ -288,7 +288,7 @@ def test_low_precision_state_follows_inner_and_skips_bit_for_bit(name):
   stored = jaxscale._lowp._decode(state.inner_state.inner_state, None)
   assert jax.tree.structure(stored) == jax.tree.structure(want_state)
   for got, want in zip(jax.tree.leaves(stored), jax.tree.leaves(want_state)):
-    got, want = numpy(got), numpy(want)
+    got, want = as_numpy(got), as_numpy(want)
     assert got.dtype == want.dtype and got.shape == want.shape, name
     if not jnp.issubdtype(want.dtype, jnp.inexact):  # counts and flags: not stored in 16 bits
       np.testing.assert_array_equal(got, want, err_msg=name)

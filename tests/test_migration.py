@@ -726,8 +726,10 @@ def test_mpx_casts_every_argument_to_float16_and_returns_float32_gradients():
   _, grads, _ = jaxscale.value_and_grad(loss)(jaxscale.init(init_scale=2.0**10), w, x)
   assert seen[-1] == (jnp.float32, jnp.float32) and grads.dtype == jnp.float32
   w16 = w.astype(jnp.float16)
-  _, grads, _ = jaxscale.value_and_grad(loss)(jaxscale.init(init_scale=2.0**10), w16, x.astype(jnp.float16))
-  assert grads.dtype == jnp.float16
+  # float16 gradients, unscaled in float16, would flush again: jaxscale refuses and names the recipe
+  # that unscales them in float32 (master weights), where mpx hands back float32 gradients.
+  with pytest.raises(ValueError, match="float16 gradients .*master_weights"):
+    jaxscale.value_and_grad(loss)(jaxscale.init(init_scale=2.0**10), w16, x.astype(jnp.float16))
   _, _, _, grads = mpx.filter_value_and_grad(loss, mpx_scaling(2.0**10))(w16, x)
   assert grads.dtype == jnp.float32  # so eqx.apply_updates turns a float16 model into a float32 one
   assert eqx.apply_updates(w16, grads).dtype == jnp.float32
