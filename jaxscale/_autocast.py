@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.extend import core
 
 from jaxscale import _policy, _tree
@@ -155,7 +156,7 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
     arrays = [leaves[i] for i in dynamic]
     closed = jax.make_jaxpr(traced)(*arrays)
     run = functools.partial(_call, closed, policy)
-    if any(isinstance(x, jax.core.Tracer) for x in (*arrays, *closed.consts)):
+    if any(isinstance(x, Tracer) for x in (*arrays, *closed.consts)):
       # Under a trace, the region goes into a `jit` named as the marker: an enclosing autocast
       # sees it and leaves it as this policy made it. (Run eagerly, no enclosing one can exist.)
       run = jax.jit(_named(run))
@@ -293,7 +294,7 @@ def _widen(x):
 def _to(x, dtype):
   if isinstance(x, (jax.Array, np.ndarray, np.generic)) and x.dtype == dtype:
     return x
-  return jax.lax.convert_element_type(x, dtype)
+  return jax.lax.convert_element_type(x, dtype)  # pyright: ignore[reportArgumentType]
 
 
 def _cast(x, aval):
@@ -303,7 +304,7 @@ def _cast(x, aval):
 
 def _floating(aval) -> bool:
   dtype = getattr(aval, "dtype", None)
-  return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and jnp.issubdtype(dtype, jnp.floating)
+  return dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.extended) and jnp.issubdtype(dtype, jnp.floating)
 
 
 def _subjaxprs(params) -> list:

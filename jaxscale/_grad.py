@@ -65,9 +65,10 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
       out = fun(*args, **kwargs)
       if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
         # `out[0]` of an array would differentiate its first element alone.
+        shape = getattr(out, "shape", None)
+        what = f"an array of shape {shape}" if shape is not None else f"a {type(out).__name__}"
         raise TypeError(
-            "With `has_aux=True`, `fun` must return a pair `(loss, aux)`, as for `jax.grad`; it returned "
-            f"{f'an array of shape {jnp.shape(out)}' if hasattr(out, 'shape') else f'a {type(out).__name__}'}."
+            f"With `has_aux=True`, `fun` must return a pair `(loss, aux)`, as for `jax.grad`; it returned {what}."
         )
       return _scaler.scale(state, out[0] if has_aux else out), out
 

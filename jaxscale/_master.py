@@ -155,12 +155,12 @@ def master_weights(
 
   def init_fn(params):
     narrow = lambda f: jax.tree.map(lambda p: f(p) if _is_narrow(p) else optax.MaskedNode(), params)
-    if method == "float32":
-      state = MasterWeightsState(narrow(lambda p: p.astype(jnp.float32)), None)
-    elif method == "kahan":
-      state = MasterWeightsState(None, None, compensation=narrow(jnp.zeros_like))
-    else:
-      state = MasterWeightsState(None, None, key=_raw_key(0 if key is None else key))
+    state = MasterWeightsState(
+        master=narrow(lambda p: p.astype(jnp.float32)) if method == "float32" else None,
+        inner_state=(),  # `inner`'s, once it can see the float32 values
+        compensation=narrow(jnp.zeros_like) if method == "kahan" else None,
+        key=_raw_key(0 if key is None else key) if method == "stochastic_rounding" else None,
+    )
     return state._replace(inner_state=inner.init(_float32_params(params, state)))
 
   def update_fn(updates, state, params=None, **extra_args):

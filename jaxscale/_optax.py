@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.core import Tracer
 
 from jaxscale import _provenance, _scaler, _tree
 
@@ -195,7 +196,7 @@ def _flag_of_unscaled(updates, scaler):
       finite = finite if flag is finite else finite & flag
     return finite
   scaled, last = _provenance.use_of(scaler.scale)
-  if last == "unscaled" and isinstance(scaler.scale, jax.core.Tracer):  # eagerly, one state may serve many calls
+  if last == "unscaled" and isinstance(scaler.scale, Tracer):  # eagerly, one state may serve many calls
     raise ValueError(
         "`dynamic_loss_scaling`'s update was given gradients without `finite=`, but the last "
         "use of its loss scale in this trace was to unscale gradients (`jaxscale.value_and_grad` "
@@ -244,7 +245,7 @@ def _warn_if_float16(updates):
 def _warn_if_still_scaled(updates, scaler):
   """Warns, at trace time, when gradients given with ``finite=`` look like scaled ones: in this
   trace the scale multiplied a loss and was never used to unscale (see _provenance.py)."""
-  if not isinstance(scaler.scale, jax.core.Tracer):  # eagerly, one state may serve many calls
+  if not isinstance(scaler.scale, Tracer):  # eagerly, one state may serve many calls
     return
   if _provenance.use_of(scaler.scale)[1] != "scaled":
     return

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import collections
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -113,8 +114,8 @@ def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionRepor
   return PrecisionReport(dict(flops), dict(ops), loops)
 
 
-def _count(jaxpr) -> tuple[Counter, Counter, int]:
-  flops: Counter = Counter()
+def _count(jaxpr) -> tuple[dict[str, float], Counter, int]:
+  flops: dict[str, float] = collections.defaultdict(float)
   ops: Counter = Counter()
   loops = 0
   for eqn in jaxpr.eqns:

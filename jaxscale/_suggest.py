@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from jaxscale import _range, _taps, _tree
 
@@ -138,7 +139,7 @@ def _check_taps(names: list[str], seen: set[str], stats: dict[str, _range.RangeS
   """
   missing = [n for n in names if n not in seen]
   if missing and not seen:
-    missing = [n for n in missing if not isinstance(stats[n].size, jax.core.Tracer) and float(stats[n].size) == 0]
+    missing = [n for n in missing if not isinstance(stats[n].size, Tracer) and float(stats[n].size) == 0]
   if missing:
     raise ValueError(
         f"`probe_scale` was given taps {missing} that `loss_fn` never taps; the `jaxscale.tap` names "
