@@ -4,16 +4,26 @@
     python benchmarks/sixteen_bits.py --memory        # compiled peak memory, 100M Adam + small LM (lowered and compiled, not run)
     python benchmarks/sixteen_bits.py --quality       # digits MLP, 3 seeds x 7 configurations (~2 CPU-minutes)
     python benchmarks/sixteen_bits.py --alternatives  # low_precision_state's representations (~1 CPU-minute)
+    python benchmarks/sixteen_bits.py --lm            # examples/lm.py's Transformer, 3 seeds x 5 configurations (~5 CPU-minutes)
 
 The quality task: sklearn's digits (1437 train / 360 test images of 8x8), an MLP 64-256-10 with
 float16 computation where parameters are 16-bit, full-batch Adam(lr=3e-5) for 1500 steps: each update
 is below half a float16 ulp of most weights, so plain 16-bit parameters barely move.
+
+The LM task (`--lm`): examples/lm.py's byte-level Transformer and data, its pieces imported (`build`,
+`lm_loss`, `make_optimizer`, `load_data`, `sample_windows`), as `examples/lm.py --width 64 --steps 300
+--precision p=f16,c=f16,o=f32` builds a float16-parameter run: parameters stored in float16, float16
+compute through `jaxscale.autocast`, the example's default loss weight 1e-3 and its warmup-cosine
+Adam (eps 1e-11); the loss scale starts at 2**23 (what the example's probe suggests at width 64).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -272,12 +282,106 @@ def alternatives():
       _lowp._encode_leaf = ENCODE
 
 
+# --- examples/lm.py's Transformer over seeds ------------------------------------------------------
+
+LM_STEPS, LM_WIDTH, LM_INIT_SCALE = 300, 64, 2.0**23
+# The plain float16 baseline gives float16 gradients to `dynamic_loss_scaling` on purpose: that is what it shows.
+FLOAT16_GRADIENTS = r"jaxscale: `dynamic_loss_scaling` was given float16 gradients"
+
+
+def lm_configurations(args, lm, common):
+  """name -> (precision policy, transformation factory): examples/lm.py's optimizer, and around it the
+  16-bit pieces. ``args`` are the example's own (its schedule, eps, growth interval, init scale)."""
+  float32, float16 = common.precision_run("float32"), common.precision_run("p=f16,c=f16,o=f32")
+
+  def scaled(wrap_adam):
+    # make_optimizer's dynamic_loss_scaling(adam) with ``wrap_adam`` applied to its Adam.
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10)
+    adam = optax.adam(schedule, eps=1e-8 * args.loss_weight)
+    return jaxscale.dynamic_loss_scaling(wrap_adam(adam), init_scale=args.init_scale,
+                                         growth_interval=args.growth_interval)
+
+  bf16_state = lambda adam: jaxscale.low_precision_state(adam, dtype=jnp.bfloat16)
+  return {
+      "float32": (float32, lambda: lm.make_optimizer(args, float32)),
+      "float16 params, no master (dynamic_loss_scaling(adam))": (float16, lambda: scaled(lambda a: a)),
+      "float16 + float32 master": (float16, lambda: lm.make_optimizer(args, float16)),
+      "kahan + bfloat16 state": (float16, lambda: jaxscale.master_weights(scaled(bf16_state), method="kahan")),
+      "SR + bfloat16 state": (float16, lambda: jaxscale.master_weights(scaled(bf16_state), method="stochastic_rounding")),
+  }
+
+
+def lm_quality(steps=LM_STEPS, width=LM_WIDTH, only=None):
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+  from flax import nnx
+
+  import _common
+  import lm
+
+  args = lm.parse_args(["--width", str(width), "--steps", str(steps), "--no-plot", "--no-progress"])
+  args.init_scale = LM_INIT_SCALE
+  train_data, eval_windows = lm.load_data(args)
+  configs = lm_configurations(args, lm, _common)
+  print(f"examples/lm.py, width {width}, depth {args.depth}, seq {args.seq_len}, batch {args.batch}, {steps} steps, "
+        f"loss weight {args.loss_weight:g}, start scale 2^{np.log2(LM_INIT_SCALE):g}, seeds {SEEDS}: held-out loss")
+  results = {}
+  start = time.process_time()
+  for name, (config, make) in configs.items():
+    if only is not None and name not in only:
+      continue
+    losses = []
+    for seed in SEEDS:
+      model = lm.build(args, config.dtype, seed, config.policy)
+      # Functional rather than through nnx.Optimizer: inside nnx.Optimizer.update, low_precision_state's
+      # decode fails (a pytree structure error between the stored state and jax.eval_shape(init, params));
+      # on the nnx.State of the parameters it runs. The step is make_train_step's: scale with the
+      # optimizer's scaler, differentiate, update.
+      graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+      tx = make()
+      loss_fn = jaxscale.autocast(lm.lm_loss, config.policy)
+      model_loss = lambda p, windows, loss_fn=loss_fn, graphdef=graphdef, rest=rest: loss_fn(nnx.merge(graphdef, p, rest), windows)
+
+      def step(params, opt_state, windows, tx=tx, model_loss=model_loss):
+        scaler = jaxscale.find_scaler(opt_state)
+        grads = jax.grad(lambda p: jaxscale.scale(scaler, model_loss(p, windows) * args.loss_weight))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+      step = jax.jit(step, donate_argnums=(0, 1))
+      opt_state = tx.init(params)
+      rng = np.random.default_rng(seed)  # the example's data order for this seed
+      with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=FLOAT16_GRADIENTS)
+        for _ in range(steps):
+          params, opt_state = step(params, opt_state, lm.sample_windows(train_data, rng, args.batch, args.seq_len))
+      eval_loss = jax.jit(model_loss)
+      losses.append(float(np.mean([eval_loss(params, w) for w in eval_windows])))
+      skipped = int(jaxscale.metrics(opt_state)["skipped_steps"])
+      print(f"  {name}, seed {seed}: {losses[-1]:.4f} ({skipped} skipped steps, {time.process_time() - start:.0f} CPU-s so far)",
+            flush=True)
+    results[name] = losses
+  lo, hi = (min(results["float32"]), max(results["float32"])) if "float32" in results else (np.nan, np.nan)
+  print(f"float32's seed spread (min-max): {lo:.4f} .. {hi:.4f}")
+  print("| configuration | held-out loss, mean | per seed (0, 1, 2) | mean inside float32's min-max |")
+  print("| --- | --- | --- | --- |")
+  for name, losses in results.items():
+    mean = float(np.mean(losses))
+    inside = "yes" if lo <= mean <= hi else "no"
+    print(f"| {name} | {mean:.4f} | {', '.join(f'{v:.4f}' for v in losses)} | {inside} |")
+  print(f"CPU time: {time.process_time() - start:.0f} s")
+  return results
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--bytes", action="store_true")
   parser.add_argument("--memory", action="store_true")
   parser.add_argument("--quality", action="store_true")
   parser.add_argument("--alternatives", action="store_true")
+  parser.add_argument("--lm", action="store_true")
+  parser.add_argument("--lm-steps", type=int, default=LM_STEPS, help="with --lm: training steps per run")
+  parser.add_argument("--lm-only", action="append", help="with --lm: only this configuration (repeatable)")
   args = parser.parse_args()
   if args.bytes:
     for name, b in bytes_table(jax.tree.map(jnp.asarray, lm_params())).items():
@@ -288,6 +392,8 @@ def main():
     quality()
   if args.alternatives:
     alternatives()
+  if args.lm:
+    lm_quality(steps=args.lm_steps, only=args.lm_only)
 
 
 if __name__ == "__main__":
