@@ -314,10 +314,9 @@ def lm_configurations(args, lm, common):
 
 def lm_quality(steps=LM_STEPS, width=LM_WIDTH, only=None):
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-  from flax import nnx
-
   import _common
   import lm
+  from flax import nnx
 
   args = lm.parse_args(["--width", str(width), "--steps", str(steps), "--no-plot", "--no-progress"])
   args.init_scale = LM_INIT_SCALE
