@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxscale import _master, _policy
+from jaxscale import _master, _policy, _tree
 
 DTYPES = ("float16", "bfloat16")
 
@@ -189,12 +189,25 @@ def _is_array(x) -> bool:
 
 
 def _encode(tree, dtype, key):
-  leaves, treedef = jax.tree.flatten(tree)
+  # An NNX Variable holds one array: the Variable goes around the stored values, not around the
+  # LowPrecisionArray, whose two arrays `nnx.Optimizer` would write back into it as a State.
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=_tree.is_variable)
   out = [
-      _encode_leaf(x, dtype, jax.random.fold_in(key, i)) if _stored(x) else x
+      _encode_variable(x, dtype, jax.random.fold_in(key, i)) if _stored(_tree.unwrap_variable(x)) else x
       for i, x in enumerate(leaves)
   ]
   return jax.tree.unflatten(treedef, out)
+
+
+def _encode_variable(x, dtype, key) -> LowPrecisionArray:
+  """`_encode_leaf` of an array or of an NNX Variable's value; a Variable keeps the values."""
+  stored = _encode_leaf(_tree.unwrap_variable(x), dtype, key)
+  return stored._replace(values=_like(x, stored.values))
+
+
+def _like(x, value):
+  """``value`` in a Variable like ``x`` (same type and metadata) if ``x`` is an NNX Variable, else ``value``."""
+  return jax.tree.map(lambda _: value, x) if _tree.is_variable(x) else value
 
 
 def _encode_leaf(x: jax.Array, dtype, key) -> LowPrecisionArray:
@@ -218,16 +231,22 @@ def _encode_leaf(x: jax.Array, dtype, key) -> LowPrecisionArray:
 
 
 def _decode(tree, template):
-  """The float32 (or the original dtype's) state from the stored one."""
-  def decode(x, like=None):
+  """The float32 (or the template's dtype) state from the stored one.
+
+  Zipped leaf by leaf, not by structure: each stored leaf is one leaf of the
+  template, which an NNX Variable around the values moves into the
+  `LowPrecisionArray` (and `nnx.Optimizer` hands ``update`` no Variables at all).
+  """
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_array)
+  likes = [None] * len(leaves) if template is None else jax.tree.leaves(template)
+
+  def decode(x, like):
     if not _is_array(x):
       return x
-    value = x.values.astype(jnp.float32) * x.scale
-    return value if like is None else value.astype(like.dtype)
+    value = _tree.unwrap_variable(x.values).astype(jnp.float32) * x.scale
+    return _like(x.values, value if like is None else value.astype(like.dtype))
 
-  if template is None:
-    return jax.tree.map(decode, tree, is_leaf=_is_array)
-  return jax.tree.map(decode, tree, template, is_leaf=_is_array)
+  return jax.tree.unflatten(treedef, [decode(x, like) for x, like in zip(leaves, likes, strict=True)])
 
 
 def _refuse_parameter_copies(inner_state) -> None:

@@ -24,14 +24,19 @@ def is_floating(x: Any, *, real: bool = False) -> bool:
   return bool(jnp.issubdtype(jnp.result_type(x), jnp.floating if real else jnp.inexact))
 
 
+def is_variable(x: Any) -> bool:
+  """Whether ``x`` is an NNX Variable (a pytree node around one array)."""
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(x, nnx.Variable)
+
+
 def unwrap_variable(leaf: Any) -> Any:
   """``leaf``'s value if it is an NNX Variable, else ``leaf``.
 
   Found through sys.modules: a Variable exists only once flax is imported, and
   jaxscale must not import it.
   """
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is None or not isinstance(leaf, nnx.Variable):
+  if not is_variable(leaf):
     return leaf
   # `get_value` is flax >= 0.12.1, which deprecates `.value`; older ones have only `.value`.
   get_value = getattr(leaf, "get_value", None)

@@ -224,3 +224,53 @@ def test_trains_like_float32():
   reference = train(optax.adam(1e-3))
   for dtype in DTYPES:
     assert abs(train(jaxscale.low_precision_state(optax.adam(1e-3), dtype=dtype)) / reference - 1) < 0.005
+
+
+def tiny_nnx_model(param_dtype):
+  """An Embed, and a Linear and a LayerNorm in an nnx.List: nested Params of three shapes."""
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      kw = {"param_dtype": param_dtype, "rngs": rngs}
+      self.embed = nnx.Embed(5, 4, **kw)
+      self.blocks = nnx.List([nnx.Linear(4, 4, **kw), nnx.LayerNorm(4, **kw)])
+
+  return Model(nnx.Rngs(0))
+
+
+@pytest.mark.hand_made_gradients
+@pytest.mark.parametrize("build, param_dtype", [
+    (lambda: jaxscale.low_precision_state(optax.adam(1e-3), dtype=jnp.float16), jnp.float32),
+    (lambda: sixteen_bit_adam("kahan"), jnp.float16),
+    (lambda: sixteen_bit_adam("stochastic_rounding"), jnp.float16),
+], ids=["float32-params", "kahan", "stochastic_rounding"])
+def test_nnx_optimizer_steps_like_the_plain_parameter_tree(build, param_dtype):
+  """Through `nnx.Optimizer`, whose `init` sees Variables and `update` plain arrays (and which writes
+  the new state back into its Variables), bit for bit the steps on the plain parameter dict. The
+  second update used to fail: the Variable around each stored leaf came back holding a State."""
+  from flax import nnx
+
+  model = tiny_nnx_model(param_dtype)
+  optimizer = nnx.Optimizer(model, build(), wrt=nnx.Param)
+  tx = build()
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  state = tx.init(params)
+  grads = lambda step, tree: jax.tree.map(
+      lambda p: (jax.random.normal(jax.random.key(step), p.shape) * 4).astype(p.dtype), tree
+  )
+
+  @nnx.jit
+  def nnx_step(model, optimizer, step):
+    optimizer.update(model, grads(step, nnx.state(model, nnx.Param)))
+
+  @jax.jit
+  def plain_step(params, state, step):
+    updates, state = tx.update(grads(step, params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  for step in range(3):
+    nnx_step(model, optimizer, step)
+    params, state = plain_step(params, state, step)
+  assert bits(nnx.to_pure_dict(nnx.state(model, nnx.Param))) == bits(params)
+  assert bits(nnx.as_pure(optimizer.opt_state)) == bits(state)
