@@ -120,6 +120,11 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
   """
   if not isinstance(enabled, (bool, np.bool_)):  # the rule of `jaxscale.init`'s `enabled`
     raise TypeError(f"`autocast`'s `enabled` must be a Python bool, got {enabled!r}.")
+  if not callable(fun):
+    raise TypeError(
+        f"`autocast` takes the function first, then the policy: `autocast(fun, policy)`; got {fun!r} "
+        f"of type {type(fun).__name__} as `fun`."
+    )
   policy = _policy.get_policy(policy)
   if not enabled:
     return fun

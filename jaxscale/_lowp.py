@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxscale import _master, _policy, _tree
+from jaxscale import _master, _optax, _policy, _tree
 
 DTYPES = ("float16", "bfloat16")
 
@@ -143,6 +143,7 @@ def low_precision_state(
         f"`low_precision_state` got dtype={dtype!r}; use jnp.bfloat16 or jnp.float16."
     )
   dtype = jnp.dtype(name)
+  _optax.require_transformation(inner, "low_precision_state")
   inner = optax.with_extra_args_support(inner)
   seed = _master._raw_key(key, "low_precision_state") if not isinstance(key, int) else None
 

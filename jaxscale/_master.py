@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxscale import _policy, _scaler
+from jaxscale import _optax, _policy, _scaler
 
 METHODS = ("float32", "kahan", "stochastic_rounding")
 
@@ -151,6 +151,7 @@ def master_weights(
         f"`master_weights` got a `key` with method={method!r}, which draws no random numbers; "
         "pass `key` only with method='stochastic_rounding'."
     )
+  _optax.require_transformation(inner, "master_weights")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

@@ -102,7 +102,7 @@ def dynamic_loss_scaling(
     >>> optax.apply_updates(params, updates)
     Array([0.8, 0.8], dtype=float32)
   """
-  _require_transformation(inner, "dynamic_loss_scaling")
+  require_transformation(inner, "dynamic_loss_scaling")
   inner = optax.with_extra_args_support(inner)
   known = inspect.signature(_scaler.init).parameters
   unknown = sorted(set(init_options) - set(known))
@@ -156,7 +156,7 @@ def dynamic_loss_scaling(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _require_transformation(inner: Any, function: str) -> None:
+def require_transformation(inner: Any, function: str) -> None:
   """Raises a TypeError that says what to pass if ``inner`` is not an Optax transformation."""
   if isinstance(inner, optax.GradientTransformation) or (
       callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))

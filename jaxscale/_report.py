@@ -99,6 +99,11 @@ def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionRepor
     >>> report.matmul_flops  # forward and backward (the gradient with respect to w)
     {'float16': 96.0}
   """
+  if not callable(fun):
+    raise TypeError(
+        "`precision_report` takes the function first, then its arguments: "
+        f"`precision_report(fun, *args)`; got {fun!r} of type {type(fun).__name__} as `fun`."
+    )
   leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray, np.generic))]
 

@@ -95,6 +95,12 @@ def filter_value_and_grad(
     (Array([1.], dtype=float32), True)
   """
 
+  if not callable(fun):
+    raise TypeError(
+        "`jaxscale.equinox.filter_value_and_grad` takes the loss function, "
+        f"`filter_value_and_grad(loss_fn)(scaler, model, ...)`; got {fun!r} of type {type(fun).__name__}."
+    )
+
   def grad(scaled_fun, argnums, has_aux):
     del argnums  # eqx.filter_grad differentiates the first argument
     return eqx.filter_grad(scaled_fun, has_aux=has_aux)

@@ -539,3 +539,8 @@ def test_a_nested_float32_region_closing_over_the_outer_trace_stays_float32():
 
   report = jaxscale.precision_report(jaxscale.autocast(fun, "mixed_float16"), jnp.ones((3, 3)))
   assert report.matmul_flops == {"float32": 2 * 2 * 3 * 3, "float16": 2 * 2 * 3 * 3}
+
+
+def test_autocast_of_something_not_callable_says_the_function_comes_first():
+  with pytest.raises(TypeError, match="takes the function first"):
+    jaxscale.autocast("mixed_float16", lambda x: x)

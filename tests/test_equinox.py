@@ -398,3 +398,8 @@ def test_the_equinox_example_runs_and_reports_float32s_spread(capsys, monkeypatc
   low, high = sorted(r["loss"] for r in results["float32"])
   assert f"float32's held-out loss over the seeds spans [{low:.4f}, {high:.4f}]." in out
   assert "float16 + jaxscale: mean" in out
+
+
+def test_the_helper_of_something_not_callable_asks_for_the_loss_function():
+  with pytest.raises(TypeError, match="takes the loss function"):
+    jaxscale.equinox.filter_value_and_grad(jnp.ones(2))

@@ -274,3 +274,8 @@ def test_nnx_optimizer_steps_like_the_plain_parameter_tree(build, param_dtype):
     params, state = plain_step(params, state, step)
   assert bits(nnx.to_pure_dict(nnx.state(model, nnx.Param))) == bits(params)
   assert bits(optimizer.opt_state) == bits(state)
+
+
+def test_an_optimizer_factory_not_called_says_call_it():
+  with pytest.raises(TypeError, match=r"call it, e.g. `low_precision_state\(optax.adam\(learning_rate\)\)`"):
+    jaxscale.low_precision_state(optax.adam)

@@ -438,3 +438,8 @@ def test_jit_with_donation(method):
   want = jax.jit(step)(params, tx.init(params), random_grads(0, params))
   got = donating(jax.tree.map(jnp.copy, params), tx.init(params), random_grads(0, params))
   assert bits(got) == bits(want)
+
+
+def test_an_optimizer_factory_not_called_says_call_it():
+  with pytest.raises(TypeError, match=r"call it, e.g. `master_weights\(optax.adam\(learning_rate\)\)`"):
+    jaxscale.master_weights(optax.adam)

@@ -147,3 +147,8 @@ def test_resnet_with_explicit_float32_dtypes(backward):
   assert before.share("float16") == 0.0 and after.share("float16") == 1.0
   assert sum(before.matmul_flops.values()) == sum(after.matmul_flops.values())
   assert "16-bit: 0.0%" in str(before) and "16-bit: 100.0%" in str(after)
+
+
+def test_a_report_of_something_not_callable_says_the_function_comes_first():
+  with pytest.raises(TypeError, match="takes the function first"):
+    jaxscale.precision_report(jnp.ones(2), jnp.ones(2))
