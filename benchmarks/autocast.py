@@ -18,7 +18,9 @@ report of the step's gradient. Run: python benchmarks/autocast.py [--quick]
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
 
 import jax
@@ -29,64 +31,9 @@ from flax import nnx
 
 import jaxscale
 
-VOCAB = 256
-
-
-class CausalSelfAttention(nnx.Module):
-  def __init__(self, width, heads, *, dtype, rngs):
-    kw = {"dtype": dtype, "param_dtype": jnp.float32, "kernel_init": nnx.initializers.normal(0.02), "rngs": rngs}
-    self.heads = heads
-    self.qkv = nnx.Linear(width, 3 * width, **kw)
-    self.out = nnx.Linear(width, width, **kw)
-
-  def __call__(self, x):
-    batch, length, width = x.shape
-    q, k, v = jnp.split(self.qkv(x).reshape(batch, length, 3 * self.heads, -1), 3, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(width // self.heads).astype(x.dtype)
-    causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
-    weights = jax.nn.softmax(jnp.where(causal, scores.astype(jnp.float32), -jnp.inf), axis=-1)
-    y = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(x.dtype), v)
-    return self.out(y.reshape(batch, length, width))
-
-
-class Block(nnx.Module):
-  def __init__(self, width, heads, *, dtype, rngs):
-    kw = {"dtype": dtype, "param_dtype": jnp.float32, "rngs": rngs}
-    init = nnx.initializers.normal(0.02)
-    self.ln1, self.ln2 = nnx.LayerNorm(width, **kw), nnx.LayerNorm(width, **kw)
-    self.attn = CausalSelfAttention(width, heads, dtype=dtype, rngs=rngs)
-    self.up = nnx.Linear(width, 4 * width, kernel_init=init, **kw)
-    self.down = nnx.Linear(4 * width, width, kernel_init=init, **kw)
-
-  def __call__(self, x):
-    x = x + self.attn(self.ln1(x))
-    return x + self.down(nnx.gelu(self.up(self.ln2(x))))
-
-
-class TransformerLM(nnx.Module):
-  """As examples/lm.py's: ``layer_dtypes=False`` builds the layers without ``dtype=``."""
-
-  def __init__(self, *, width, depth, heads, seq_len, dtype, rngs, layer_dtypes=True):
-    layer_dtype = dtype if layer_dtypes else None
-    kw = {"dtype": layer_dtype, "param_dtype": jnp.float32, "rngs": rngs}
-    init = nnx.initializers.normal(0.02)
-    self.dtype = dtype
-    self.embed = nnx.Embed(VOCAB, width, embedding_init=init, **kw)
-    self.pos = nnx.Param(init(rngs.params(), (seq_len, width), jnp.float32))
-    self.blocks = nnx.List([Block(width, heads, dtype=layer_dtype, rngs=rngs) for _ in range(depth)])
-    self.ln = nnx.LayerNorm(width, **kw)
-    self.head = nnx.Linear(width, VOCAB, kernel_init=init, **kw)
-
-  def __call__(self, tokens):
-    x = self.embed(tokens) + self.pos[: tokens.shape[-1]].astype(self.dtype)
-    for block in self.blocks:
-      x = block(x)
-    return self.head(self.ln(x))
-
-
-def lm_loss(model, windows):
-  logits = model(windows[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), windows[:, 1:]).mean()
+# The model and loss are examples/lm.py's own, so this measures the example's step.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from lm import VOCAB, TransformerLM, lm_loss
 
 
 def variants(args):
@@ -95,7 +42,7 @@ def variants(args):
   shape = {"width": args.width, "depth": args.depth, "heads": args.heads, "seq_len": args.seq_len}
 
   def build(dtype, layer_dtypes=True):
-    return nnx.split(TransformerLM(**shape, dtype=dtype, layer_dtypes=layer_dtypes, rngs=nnx.Rngs(0)))
+    return nnx.split(TransformerLM(**shape, dtype=dtype, init_std=0.02, layer_dtypes=layer_dtypes, rngs=nnx.Rngs(0)))
 
   def plain(graphdef):
     return lambda params, windows: lm_loss(nnx.merge(graphdef, params), windows)
