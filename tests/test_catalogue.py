@@ -194,12 +194,9 @@ def extra_args(name, params):
   return {k: values[k] for k in EXTRA_ARGS.get(name, ())}
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("name", sorted(CATALOGUE))
-def test_wrapped_equals_inner_and_skips_bit_for_bit(name):
-  make = CATALOGUE[name]
-  tx = jaxscale.dynamic_loss_scaling(make(), init_scale=SCALE)
-  inner = optax.with_extra_args_support(make())
+def steps(name, tx, inner):
+  """Jitted training steps of the wrapped ``tx`` (gradients of the scaled loss, one leaf poisoned
+  with 0, inf or NaN) and of ``inner`` alone (true gradients)."""
 
   @jax.jit
   def wrapped_step(params, state, poison):
@@ -213,6 +210,17 @@ def test_wrapped_equals_inner_and_skips_bit_for_bit(name):
   def inner_step(params, state):
     updates, state = inner.update(jax.grad(loss_fn)(params), state, params, **extra_args(name, params))
     return optax.apply_updates(params, updates), state
+
+  return wrapped_step, inner_step
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("name", sorted(CATALOGUE))
+def test_wrapped_equals_inner_and_skips_bit_for_bit(name):
+  make = CATALOGUE[name]
+  tx = jaxscale.dynamic_loss_scaling(make(), init_scale=SCALE)
+  inner = optax.with_extra_args_support(make())
+  wrapped_step, inner_step = steps(name, tx, inner)
 
   params, state = PARAMS, strong(tx.init(PARAMS))
   want_params, want_state = PARAMS, strong(inner.init(PARAMS))
@@ -263,18 +271,7 @@ def test_low_precision_state_follows_inner_and_skips_bit_for_bit(name):
       tx.init(PARAMS)
     return
   inner = optax.with_extra_args_support(make())
-
-  @jax.jit
-  def wrapped_step(params, state, poison):
-    grads = jax.grad(lambda p: jaxscale.scale(jaxscale.find_scaler(state), loss_fn(p)))(params)
-    grads = {**grads, "b": grads["b"].at[1].add(poison)}
-    updates, state = tx.update(grads, state, params, **extra_args(name, params))
-    return optax.apply_updates(params, updates), state
-
-  @jax.jit
-  def inner_step(params, state):
-    updates, state = inner.update(jax.grad(loss_fn)(params), state, params, **extra_args(name, params))
-    return optax.apply_updates(params, updates), state
+  wrapped_step, inner_step = steps(name, tx, inner)
 
   params, state = PARAMS, strong(tx.init(PARAMS))
   want_params, want_state = PARAMS, strong(inner.init(PARAMS))
