@@ -223,7 +223,7 @@ def _flag_of_unscaled(updates, scaler):
         "them where you update, `grads, finite = jaxscale.unscale_and_check("
         "jaxscale.find_scaler(opt_state), grads)`, and pass `finite=finite`.",
         UserWarning,
-        stacklevel=4,
+        stacklevel=3,
     )
   return None
 

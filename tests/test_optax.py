@@ -1,6 +1,8 @@
 """The Optax wrapper against the unwrapped optimizer."""
 
 import functools
+import linecache
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -469,8 +471,67 @@ def test_mixing_unscaled_and_other_gradients_is_an_error():
   scaler = jaxscale.find_scaler(state)
   _, grads, _ = jaxscale.value_and_grad(quadratic)(scaler, QUADRATIC_PARAMS)
   scaled = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(QUADRATIC_PARAMS)
-  with pytest.raises(ValueError, match="1 of 2 floating leaves were already unscaled"):
+  with pytest.raises(ValueError) as error:
     tx.update({"a": grads, "b": scaled}, state)
+  assert str(error.value) == (
+      "`dynamic_loss_scaling`'s update was given gradients of which 1 of 2 floating leaves were "
+      "already unscaled (by `jaxscale.value_and_grad` or `jaxscale.unscale_and_check`) and the others "
+      "not; it would divide the unscaled ones by the loss scale a second time. Unscale them all and "
+      "pass the flag: `tx.update(grads, opt_state, params, finite=finite)`."
+  )
+
+
+def test_unscaled_gradients_transformed_and_given_without_finite_are_an_error():
+  # Clipped after `unscale_and_check`, they are new arrays: the update cannot tell them from scaled
+  # ones, but the scale's last use in the trace was to unscale, so it refuses to divide again.
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  state = tx.init(QUADRATIC_PARAMS)
+
+  @jax.jit
+  def step(params, state):
+    scaler = jaxscale.find_scaler(state)
+    grads = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(params)
+    grads, _ = jaxscale.unscale_and_check(scaler, grads)
+    return tx.update(jax.tree.map(lambda g: jnp.clip(g, -1.0, 1.0), grads), state, params)
+
+  with pytest.raises(ValueError) as error:
+    step(QUADRATIC_PARAMS, state)
+  assert str(error.value) == (
+      "`dynamic_loss_scaling`'s update was given gradients without `finite=`, but the last use of its "
+      "loss scale in this trace was to unscale gradients (`jaxscale.value_and_grad` or "
+      "`jaxscale.unscale_and_check`): if these are those gradients, transformed (clipped, averaged, "
+      "...), the update would divide them by the scale a second time. Pass their flag: "
+      "`tx.update(grads, opt_state, params, finite=finite)`, or put the transformation inside the "
+      "optimizer (`dynamic_loss_scaling(optax.chain(clip, adam))`) and give it the scaled gradients of "
+      "`jax.grad` of `jaxscale.scale(scaler, loss)` (as a Flax `TrainState.apply_gradients` needs, "
+      "since it cannot pass `finite=`). If they are scaled gradients and you unscaled a copy only to "
+      "inspect it, pass that unscaled copy with `finite=` instead."
+  )
+
+
+@pytest.mark.parametrize("bad", ["a", "b"])
+def test_gradients_unscaled_in_parts_skip_when_any_part_overflowed(bad):
+  # Each part carries the flag of its own `unscale_and_check`; the update needs all of them.
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  params = {"a": QUADRATIC_PARAMS, "b": QUADRATIC_PARAMS}
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, poison):
+    scaler = jaxscale.find_scaler(state)
+    parts = {}
+    for name in params:
+      loss = lambda p, name=name: quadratic(p) * jnp.where(name == bad, poison, 1.0)
+      grads = jax.grad(lambda p: jaxscale.scale(scaler, loss(p)))(params[name])
+      parts[name], _ = jaxscale.unscale_and_check(scaler, grads)
+    return tx.update(parts, state, params)
+
+  updates, new_state = step(params, state, jnp.float32(1.0))
+  assert not bool(jaxscale.find_scaler(new_state).last_skipped)
+  np.testing.assert_array_equal(updates[bad]["w"], -0.1 * 2 * QUADRATIC_PARAMS["w"])
+  updates, new_state = step(params, state, jnp.float32(jnp.inf))
+  assert bool(jaxscale.find_scaler(new_state).last_skipped)
+  assert_bitwise_equal(updates, jax.tree.map(lambda p: jnp.full_like(p, -0.0), params))
 
 
 def test_forgetting_to_scale_the_loss_warns_at_trace_time():
@@ -484,8 +545,28 @@ def test_forgetting_to_scale_the_loss_warns_at_trace_time():
   # A first, right update: a loss scaled anywhere since the last update silences the check
   # (control flow and a second jit hand the update a scale it cannot recognise).
   tx.update(jaxscale.scale(jaxscale.find_scaler(state), jax.grad(quadratic)(QUADRATIC_PARAMS)), state)
-  with pytest.warns(UserWarning, match="jaxscale.scale\\(jaxscale.find_scaler\\(opt_state\\), loss\\)"):
+  with pytest.warns(UserWarning) as record:
     step(QUADRATIC_PARAMS, state)
+  assert warned_here(record) == (
+      "jaxscale: `dynamic_loss_scaling`'s update was given gradients without `finite=`, so it takes "
+      "them as gradients of a scaled loss and divides them by the loss scale; but no loss was "
+      "multiplied by this optimizer's scale here, nor any loss by any scale since an update last saw "
+      "its own. Gradients of an unscaled loss would then train `scale` times too slowly. "
+      "Differentiate `jaxscale.scale(jaxscale.find_scaler(opt_state), loss)`, or use "
+      "`jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params)`. If the gradients "
+      "are scaled but were computed elsewhere (in another jitted function), unscale them where you "
+      "update, `grads, finite = jaxscale.unscale_and_check(jaxscale.find_scaler(opt_state), grads)`, "
+      "and pass `finite=finite`."
+  )
+
+
+def warned_here(record):
+  """The text of the one warning in ``record``, checked to point at the caller's line in this file
+  (its ``stacklevel``): the line that called ``tx.update``."""
+  (warning,) = record
+  assert warning.filename == __file__, (warning.filename, warning.lineno)
+  assert "tx.update(" in linecache.getline(__file__, warning.lineno), warning.lineno
+  return str(warning.message)
 
 
 def test_scaled_gradients_from_another_jit_are_taken_with_their_flag():
@@ -517,8 +598,20 @@ def test_a_misspelt_option_names_the_options():
 
 
 def test_find_scaler_of_the_optimizer_itself_asks_for_its_state():
-  with pytest.raises(ValueError, match=r"optimizer itself.*tx.init\(params\)"):
+  with pytest.raises(ValueError) as error:
     jaxscale.find_scaler(jaxscale.dynamic_loss_scaling(optax.adam(1e-3)))
+  assert str(error.value) == (
+      "`find_scaler` takes an optimizer *state*, got the optimizer itself (a "
+      "`GradientTransformation`); pass `opt_state = tx.init(params)` (or `state.opt_state`)."
+  )
+
+
+def test_find_scaler_reads_a_scaler_stored_as_a_mapping_of_its_fields():
+  # As in a serialized state dict or `nnx.state(optimizer)`: a ScalerState comes back.
+  scaler = jaxscale.init(init_scale=2.0**10, growth_interval=7)
+  found = jaxscale.find_scaler({"opt_state": {"0": scaler._asdict(), "1": {"count": jnp.int32(3)}}})
+  assert type(found) is jaxscale.ScalerState
+  assert_bitwise_equal(found, scaler)
 
 
 def test_the_inner_optimizers_state_is_refused_by_the_wrapper():
@@ -543,8 +636,35 @@ def test_scaled_gradients_given_with_finite_warn_at_trace_time():
     grads = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(params)
     return tx.update(grads, state, params, finite=jaxscale.all_finite(grads))  # never unscaled
 
-  with pytest.warns(UserWarning, match="given `finite=`.*never unscaled anything"):
+  with pytest.warns(UserWarning) as record:
     step(QUADRATIC_PARAMS, state)
+  assert warned_here(record) == (
+      "jaxscale: `dynamic_loss_scaling`'s update was given `finite=`, so it takes the gradients as "
+      "unscaled and does not divide them by the loss scale; but in this trace the scale multiplied a "
+      "loss and never unscaled anything. If these are the gradients of the scaled loss, the update is "
+      "`scale` times too large: unscale them first, `grads, finite = jaxscale.unscale_and_check(scaler, "
+      "grads)`, or drop `finite=` and let the update unscale them."
+  )
+
+
+def test_unscaled_gradients_given_with_finite_do_not_warn_after_a_later_scale():
+  # The scale's last use was to scale (a loss scaled again, to log it), but these gradients are
+  # known unscaled: nothing to warn about.
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**12)
+  state = tx.init(QUADRATIC_PARAMS)
+
+  @jax.jit
+  def step(params, state):
+    scaler = jaxscale.find_scaler(state)
+    grads = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(params)
+    grads, finite = jaxscale.unscale_and_check(scaler, grads)
+    logged = jaxscale.scale(scaler, quadratic(params))
+    return tx.update(grads, state, params, finite=finite), logged
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    (updates, _), _ = step(QUADRATIC_PARAMS, state)
+  np.testing.assert_array_equal(updates["w"], -0.1 * 2 * QUADRATIC_PARAMS["w"])
 
 
 def test_float16_gradients_unscaled_by_the_wrapper_warn_at_trace_time():
@@ -554,8 +674,15 @@ def test_float16_gradients_unscaled_by_the_wrapper_warn_at_trace_time():
   state = tx.init(params)
   true = jnp.full(2, 2.0**-30, jnp.float32)
   grads = jaxscale.scale(jaxscale.find_scaler(state), true).astype(jnp.float16)  # float16 holds 2**-14
-  with pytest.warns(UserWarning, match=r"float16 gradients.*master_weights\(jaxscale.dynamic_loss_scaling"):
+  with pytest.warns(UserWarning) as record:
     updates, _ = tx.update(grads, state, params)
+  assert warned_here(record) == (
+      "jaxscale: `dynamic_loss_scaling` was given float16 gradients (of float16 parameters) to "
+      "unscale: in float16 every true gradient below 2**-24 flushes to zero again, and those "
+      "parameters stop learning. Wrap it as `jaxscale.master_weights(jaxscale.dynamic_loss_scaling("
+      "inner))`, which casts the gradients to float32 before they are unscaled, or keep float32 "
+      "parameters and compute in float16."
+  )
   assert not np.asarray(updates).any()  # what the warning is about: the gradient flushed to zero
   right = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0)))
   right_state = right.init(params)
