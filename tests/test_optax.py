@@ -586,15 +586,35 @@ def test_scaled_gradients_from_another_jit_are_taken_with_their_flag():
 
 
 def test_an_optimizer_factory_not_called_says_call_it():
-  with pytest.raises(TypeError, match=r"call it.*optax.adam\(learning_rate\)"):
+  with pytest.raises(TypeError) as error:
     jaxscale.dynamic_loss_scaling(optax.adam)
-  with pytest.raises(TypeError, match="optax.GradientTransformation.*got 0.1"):
+  assert str(error.value) == (
+      f"`dynamic_loss_scaling` wraps an `optax.GradientTransformation`, got {optax.adam!r} of type "
+      "function; it looks like the factory itself: call it, e.g. "
+      "`dynamic_loss_scaling(optax.adam(learning_rate))`."
+  )
+  with pytest.raises(TypeError) as error:
     jaxscale.dynamic_loss_scaling(0.1)
+  assert str(error.value) == (
+      "`dynamic_loss_scaling` wraps an `optax.GradientTransformation`, got 0.1 of type float; pass "
+      "one, e.g. `dynamic_loss_scaling(optax.adam(1e-3))`."
+  )
+  # A callable that is not Optax's is named as it is.
+  def my_optimizer(learning_rate):
+    return optax.sgd(learning_rate)
+  with pytest.raises(TypeError, match=r"e.g. `dynamic_loss_scaling\(test_an_optimizer_factory_not_called_says_call_it"
+                                      r".<locals>.my_optimizer\(learning_rate\)\)`\.$"):
+    jaxscale.dynamic_loss_scaling(my_optimizer)
 
 
 def test_a_misspelt_option_names_the_options():
-  with pytest.raises(TypeError, match=r"unknown options \['init_scal'\].*init_scale, growth_factor"):
+  with pytest.raises(TypeError) as error:
     jaxscale.dynamic_loss_scaling(optax.adam(1e-3), init_scal=1024.0)
+  assert str(error.value) == (
+      "`dynamic_loss_scaling` got unknown options ['init_scal']; it takes `axis_name` and the options "
+      "of `jaxscale.init`: init_scale, growth_factor, backoff_factor, growth_interval, enabled, hysteresis, "
+      "min_scale, max_scale, dynamic, on_stall."
+  )
 
 
 def test_find_scaler_of_the_optimizer_itself_asks_for_its_state():
@@ -617,13 +637,24 @@ def test_find_scaler_reads_a_scaler_stored_as_a_mapping_of_its_fields():
 def test_the_inner_optimizers_state_is_refused_by_the_wrapper():
   params = jnp.ones(2)
   tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-3))
-  with pytest.raises(TypeError, match=r"tx.init\(params\)` of this wrapped optimizer"):
+  with pytest.raises(TypeError) as error:
     tx.update(params, optax.adam(1e-3).init(params), params)
+  assert str(error.value) == (
+      "`dynamic_loss_scaling`'s update takes the state its own `init` built (a "
+      "`DynamicLossScalingState`), got an object of type tuple; build it with `tx.init(params)` of "
+      "this wrapped optimizer, not of the inner one (a checkpoint restored without a target is a "
+      "dict: restore it into the structure of `tx.init(params)`)."
+  )
 
 
 def test_a_scaler_inside_a_scaler_is_refused():
-  with pytest.raises(ValueError, match="already holds a loss scaler"):
+  with pytest.raises(ValueError) as error:
     jaxscale.dynamic_loss_scaling(jaxscale.dynamic_loss_scaling(optax.sgd(0.1))).init(jnp.ones(2))
+  assert str(error.value) == (
+      "`dynamic_loss_scaling` wraps an optimizer that already holds a loss scaler (a "
+      "`dynamic_loss_scaling` inside `inner`): the gradients would be unscaled twice. Wrap the "
+      "optimizer once, outermost (inside `master_weights`, if any)."
+  )
 
 
 def test_scaled_gradients_given_with_finite_warn_at_trace_time():
