@@ -647,6 +647,11 @@ def test_the_inner_optimizers_state_is_refused_by_the_wrapper():
       "this wrapped optimizer, not of the inner one (a checkpoint restored without a target is a "
       "dict: restore it into the structure of `tx.init(params)`)."
   )
+  # A state with an `inner_state` of its own (optax.masked's) is not the wrapper's either.
+  masked_state = optax.masked(optax.adam(1e-3), True).init(params)
+  assert hasattr(masked_state, "inner_state")
+  with pytest.raises(TypeError, match="got an object of type MaskedState; build it with"):
+    tx.update(params, masked_state, params)
 
 
 def test_a_scaler_inside_a_scaler_is_refused():
