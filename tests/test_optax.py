@@ -3,6 +3,7 @@
 import functools
 import linecache
 import os
+import types
 import warnings
 
 import jax
@@ -601,6 +602,9 @@ def test_an_optimizer_factory_not_called_says_call_it():
       "`dynamic_loss_scaling` wraps an `optax.GradientTransformation`, got 0.1 of type float; pass "
       "one, e.g. `dynamic_loss_scaling(optax.adam(1e-3))`."
   )
+  # Half an optimizer (an `init` and no `update`) is not one.
+  with pytest.raises(TypeError, match="wraps an `optax.GradientTransformation`, got namespace"):
+    jaxscale.dynamic_loss_scaling(types.SimpleNamespace(init=lambda params: ()))
   # A callable that is not Optax's is named as it is.
   def my_optimizer(learning_rate):
     return optax.sgd(learning_rate)
