@@ -605,6 +605,12 @@ def test_an_optimizer_factory_not_called_says_call_it():
   # Half an optimizer (an `init` and no `update`) is not one.
   with pytest.raises(TypeError, match="wraps an `optax.GradientTransformation`, got namespace"):
     jaxscale.dynamic_loss_scaling(types.SimpleNamespace(init=lambda params: ()))
+  # A callable object (no `__qualname__` of its own) is named by its type.
+  class Factory:
+    def __call__(self, learning_rate):
+      return optax.sgd(learning_rate)
+  with pytest.raises(TypeError, match=r"e.g. `dynamic_loss_scaling\(Factory\(learning_rate\)\)`\.$"):
+    jaxscale.dynamic_loss_scaling(Factory())
   # A callable that is not Optax's is named as it is.
   def my_optimizer(learning_rate):
     return optax.sgd(learning_rate)
