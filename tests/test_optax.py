@@ -449,6 +449,11 @@ def quadratic(params):
 QUADRATIC_PARAMS = {"w": jnp.array([1.0, -2.0, 3.0])}
 
 
+def scaled_grads(scaler, params):
+  """The gradients of the quadratic's loss scaled by ``scaler``, as a training step computes them."""
+  return jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(params)
+
+
 def test_value_and_grad_gradients_without_finite_are_unscaled_once():
   tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**12)
   state = tx.init(QUADRATIC_PARAMS)
@@ -472,7 +477,7 @@ def test_mixing_unscaled_and_other_gradients_is_an_error():
   state = tx.init({"a": QUADRATIC_PARAMS, "b": QUADRATIC_PARAMS})
   scaler = jaxscale.find_scaler(state)
   _, grads, _ = jaxscale.value_and_grad(quadratic)(scaler, QUADRATIC_PARAMS)
-  scaled = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(QUADRATIC_PARAMS)
+  scaled = scaled_grads(scaler, QUADRATIC_PARAMS)
   with pytest.raises(ValueError) as error:
     tx.update({"a": grads, "b": scaled}, state)
   assert str(error.value) == (
@@ -492,7 +497,7 @@ def test_unscaled_gradients_transformed_and_given_without_finite_are_an_error():
   @jax.jit
   def step(params, state):
     scaler = jaxscale.find_scaler(state)
-    grads = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(params)
+    grads = scaled_grads(scaler, params)
     grads, _ = jaxscale.unscale_and_check(scaler, grads)
     return tx.update(jax.tree.map(lambda g: jnp.clip(g, -1.0, 1.0), grads), state, params)
 
@@ -576,7 +581,7 @@ def test_scaled_gradients_from_another_jit_are_taken_with_their_flag():
   # The documented way to say "these are scaled, from elsewhere": unscale where you update.
   tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**12)
   state = tx.init(QUADRATIC_PARAMS)
-  grad_fn = jax.jit(lambda p, scaler: jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(p))
+  grad_fn = jax.jit(lambda p, scaler: scaled_grads(scaler, p))
   scaled = grad_fn(QUADRATIC_PARAMS, jaxscale.find_scaler(state))
 
   @jax.jit
@@ -681,7 +686,7 @@ def test_scaled_gradients_given_with_finite_warn_at_trace_time():
   @jax.jit
   def step(params, state):
     scaler = jaxscale.find_scaler(state)
-    grads = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(params)
+    grads = scaled_grads(scaler, params)
     return tx.update(grads, state, params, finite=jaxscale.all_finite(grads))  # never unscaled
 
   with pytest.warns(UserWarning) as record:
@@ -704,7 +709,7 @@ def test_unscaled_gradients_given_with_finite_do_not_warn_after_a_later_scale():
   @jax.jit
   def step(params, state):
     scaler = jaxscale.find_scaler(state)
-    grads = jax.grad(lambda p: jaxscale.scale(scaler, quadratic(p)))(params)
+    grads = scaled_grads(scaler, params)
     grads, finite = jaxscale.unscale_and_check(scaler, grads)
     logged = jaxscale.scale(scaler, quadratic(params))
     return tx.update(grads, state, params, finite=finite), logged
