@@ -408,7 +408,6 @@ def test_apply_if_finite_gives_up_after_max_consecutive_errors():
   np.testing.assert_array_equal(ours[-1][-1], np.ones(3))  # skipped, however many in a row
 
 
-@pytest.mark.hand_made_gradients
 def test_apply_if_finite_skipped_update_turns_minus_zero_into_zero():
   g, w = jnp.array([jnp.nan, 1.0]), jnp.array([-0.0, 1.0])
   theirs = optax.apply_if_finite(optax.sgd(LR), max_consecutive_errors=5)
@@ -419,7 +418,6 @@ def test_apply_if_finite_skipped_update_turns_minus_zero_into_zero():
   assert np.signbit(optax.apply_updates(w, updates)[0])  # bit for bit unchanged
 
 
-@pytest.mark.hand_made_gradients
 def test_apply_if_finite_counters_are_the_scaler_counters():
   tx = optax.apply_if_finite(optax.sgd(LR), max_consecutive_errors=100)
   ours = jaxscale.dynamic_loss_scaling(optax.sgd(LR), init_scale=1.0, dynamic=False)
