@@ -224,25 +224,39 @@ def test_stochastic_rounding_draws_new_numbers_each_step():
 
 
 def test_gradients_below_float16_subnormals_reach_the_master():
-  """True gradients of 2**-30 exist in float16 only scaled; a float32 unscale keeps them."""
+  """True gradients of 2**-30 exist in float16 only scaled; the gradient site unscales them in float32."""
   true_grad = 2.0**-30 * jnp.arange(1, 5, dtype=jnp.float32)
   scaled = (true_grad * 2.0**16).astype(jnp.float16)  # 2**-14 * k: representable
   np.testing.assert_array_equal(scaled.astype(jnp.float32), true_grad * 2.0**16)
-  params = jnp.ones(4, jnp.float16)
+  params = jnp.zeros(4, jnp.float16)
+  tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**16))
+  state = tx.init(params)
+  grads, finite = jaxscale.unscale_and_check(jaxscale.find_scaler(state), scaled)
+  assert grads.dtype == jnp.float32
+  np.testing.assert_array_equal(grads, true_grad)
+  _, state = tx.update(grads, state, params, finite=finite)
+  np.testing.assert_array_equal(state.master, -true_grad)  # exactly what float32 gives
+  # Unscaled in float16 instead, every one of them would have flushed to zero.
+  assert not np.any(np.asarray(scaled) * np.float16(2.0**-16))
 
-  right = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**16))
-  _, state = right.update(scaled, right.init(params), params)
-  np.testing.assert_array_equal(state.master, 1.0 - true_grad)  # exactly what float32 gives
 
-  # What the other order would do: unscaling in float16 flushes every one of them to zero.
-  unscaled16, _ = jaxscale.unscale_and_check(jaxscale.init(init_scale=2.0**16), scaled)
-  assert unscaled16.dtype == jnp.float16 and not np.any(unscaled16)
-
-
-def test_wrong_nesting_is_refused():
-  wrong = jaxscale.dynamic_loss_scaling(optax.chain(optax.identity(), jaxscale.master_weights(optax.adam(1e-3))))
-  with pytest.raises(ValueError, match=r"master_weights\(dynamic_loss_scaling\(inner\)\)"):
-    wrong.init({"w": jnp.ones(3, jnp.float16)})
+@pytest.mark.parametrize("method", ["float32", "kahan", "stochastic_rounding"])
+def test_either_nesting_trains_the_same(method):
+  # The wrapper no longer unscales: around master_weights or inside it, the same true gradients give
+  # the same parameters, and a skipped step keeps everything.
+  params = {"w": jnp.linspace(-1, 1, 6, dtype=jnp.float16)}
+  grads = [{"w": jnp.full(6, g, jnp.float32)} for g in (1e-3, jnp.inf, -2e-3, 5e-4)]
+  runs = [jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.adam(1e-2)), method=method),
+          jaxscale.dynamic_loss_scaling(jaxscale.master_weights(optax.adam(1e-2), method=method))]
+  finals = []
+  for tx in runs:
+    p, state = params, tx.init(params)
+    for g in grads:
+      updates, state = jax.jit(tx.update)(g, state, p)
+      p = optax.apply_updates(p, updates)
+    finals.append(p)
+    assert int(jaxscale.find_scaler(state).skipped_steps) == 1
+  np.testing.assert_array_equal(finals[0]["w"], finals[1]["w"])
 
 
 def test_inside_chain_and_found_by_find_scaler():
