@@ -42,10 +42,14 @@ def dynamic_loss_scaling(
   Its update takes the **true** (unscaled) gradients, as every Optax
   transformation does: the gradient site, :func:`jaxscale.value_and_grad`
   (or ``jaxscale.scale`` -> ``jax.grad`` -> :func:`jaxscale.unscale_and_check`
-  by hand), is the one place where a scaled gradient exists. So the wrapper
-  sits anywhere in a chain: a clip in front of it
+  by hand), is the one place where a scaled gradient exists. So a stateless
+  transformation in front of the wrapper sees true gradients: a clip
   (``optax.chain(optax.clip_by_global_norm(1.0), dynamic_loss_scaling(adam))``)
-  clips true gradients, as torch users do after ``scaler.unscale_``.
+  clips them, as torch users do after ``scaler.unscale_``. A skipped step is
+  invisible only to what the wrapper wraps: a momentum, a weight decay or a
+  schedule *after* or *around* it would still act on it, so wrap every
+  stateful or parameter-dependent transformation
+  (``dynamic_loss_scaling(optax.chain(optax.add_decayed_weights(1e-4), adam))``).
 
   Each update checks the gradients (inf and NaN survive exact unscaling, so
   this is the check of the scaled ones), ANDs the ``finite`` flag of the
