@@ -50,8 +50,15 @@ def is_open(value) -> bool:
   return hasattr(value, "eqns") and hasattr(value, "invars") and hasattr(value, "outvars")
 
 
+# `jax.extend.core.Literal` is there from jax 0.7.1 (the oldest supported) to 0.12; should a
+# release drop the name, a literal is still the one jaxpr atom that carries its value.
+_LITERAL = getattr(core, "Literal", None)
+
+
 def is_literal(var) -> bool:
-  return isinstance(var, core.Literal)
+  if _LITERAL is not None:
+    return isinstance(var, _LITERAL)
+  return type(var).__name__ == "Literal" and hasattr(var, "val")
 
 
 def _items(value):
