@@ -41,7 +41,7 @@ NEWEST_ONLY = ["tests/test_examples.py", "tests/test_tensorboard_example.py", "t
 # What the newer Pythons' sessions leave out besides: the 8-device subprocess (run by tests-3.12,
 # left to it by tests-3.13) and the multi-process runs, which test jaxscale's collectives, not JAX's
 # jaxpr format.
-LIBRARY_ONLY = [*NEWEST_ONLY, "tests/test_tensorboard_example.py", "tests/test_multihost.py"]
+LIBRARY_ONLY = [*NEWEST_ONLY, "tests/test_multihost.py"]
 
 
 def pytest_args(session, *, ignore=()):
