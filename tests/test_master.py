@@ -443,3 +443,27 @@ def test_jit_with_donation(method):
 def test_an_optimizer_factory_not_called_says_call_it():
   with pytest.raises(TypeError, match=r"call it, e.g. `master_weights\(optax.adam\(learning_rate\)\)`"):
     jaxscale.master_weights(optax.adam)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("method", METHODS)
+def test_float8_parameters_are_refused_by_name(method, dtype):
+  """float8_e4m3fn has no infinity, so the rounding's `nextafter(x, inf)` is NaN: every parameter
+  was NaN after the first stochastically rounded step."""
+  params = {"w": jnp.ones(3, dtype), "b": jnp.zeros(2)}
+  with pytest.raises(ValueError, match=rf"dtype {dtype} at \['w'\]; it supports float16 and bfloat16"):
+    jaxscale.master_weights(optax.sgd(1e-3), method=method).init(params)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_size_parameters(method):
+  """An empty leaf (a (0, 3) matrix) beside a real one: it stays empty, and the other follows
+  float32 SGD as without it."""
+  params = {"empty": jnp.zeros((0, 3), jnp.float16), "w": jnp.ones(4, jnp.float16)}
+  tx = jaxscale.master_weights(optax.sgd(0.25), method=method)
+  grads = {"empty": jnp.zeros((0, 3), jnp.float32), "w": jnp.full(4, 1.0, jnp.float32)}
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  assert new["empty"].shape == (0, 3) and new["empty"].dtype == jnp.float16
+  np.testing.assert_array_equal(new["w"], np.full(4, 0.75, np.float16))  # exact in float16: no rounding
+
