@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxscale import _master, _optax, _policy, _rounding, _tree
+from jaxscale import _optax, _policy, _rounding, _skip, _tree
 
 # State types whose floating leaves are copies of the parameters (or anchors built from them):
 # 16 bits lose every update below half their ulp, the failure `master_weights` exists for.
@@ -170,9 +170,9 @@ def low_precision_state(
     which = [_is_array(x) for x in jax.tree.leaves(state.inner_state, is_leaf=_is_array)]
     stored = _encode(new_inner, which, draw)
     # A scaler inside `inner` skipped: keep the stored state and the key, bit for bit.
-    skipped = _master._skipped(new_inner)
+    skipped = _skip.skipped_inside(new_inner)
     # (Only what this wrapper stores: the scaler's own state has moved on.)
-    keep = lambda old, new: jnp.where(skipped, old, new)
+    keep = lambda old, new: _skip.keep(~skipped, old, new)
     stored = jax.tree.map(
         lambda old, new: jax.tree.map(keep, old, new) if _is_array(new) else new,
         state.inner_state, stored, is_leaf=_is_array,

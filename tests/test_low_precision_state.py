@@ -141,7 +141,6 @@ def test_sixteen_bit_training_state_bytes_per_parameter(method, most):
   assert float32_adam == 12.0
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("method", ["kahan", "stochastic_rounding"])
 def test_composition_skips_bit_for_bit_under_jit_with_donation(method):
   tx = sixteen_bit_adam(method)
@@ -175,7 +174,6 @@ def without_scaler(tree):
   return jax.tree.map(lambda x: None if is_scaler(x) else x, tree, is_leaf=is_scaler)
 
 
-@pytest.mark.hand_made_gradients
 def test_a_scaler_inside_keeps_the_stored_state_and_the_key():
   tx = jaxscale.low_precision_state(jaxscale.dynamic_loss_scaling(optax.adam(1e-3)))
   params = jnp.ones(8)
@@ -186,7 +184,6 @@ def test_a_scaler_inside_keeps_the_stored_state_and_the_key():
   assert bits(without_scaler(skipped)) == bits(without_scaler(state))  # the stored moments and the key
 
 
-@pytest.mark.hand_made_gradients
 def test_orbax_round_trip_continues_bit_for_bit(tmp_path):
   import orbax.checkpoint as ocp
 
@@ -245,7 +242,6 @@ def tiny_nnx_model(param_dtype):
   return Model(nnx.Rngs(0))
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("build, param_dtype", [
     (lambda: jaxscale.low_precision_state(optax.adam(1e-3)), jnp.float32),
     (lambda: sixteen_bit_adam("kahan"), jnp.float16),
@@ -329,7 +325,6 @@ def assert_follows_float32_adam(got, params, grads, lr, *, parameter_rounding=la
   assert np.all(np.abs(got - want) <= tolerance)
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("tiny", [1e-34, 1e-38, 0.0])
 def test_no_nan_when_the_state_decays_to_float32s_smallest(tiny):
   """A group of parameters whose gradients fall to ``tiny`` (an unused branch, a frozen group):
@@ -343,7 +338,6 @@ def test_no_nan_when_the_state_decays_to_float32s_smallest(tiny):
   assert_follows_float32_adam(got, params, grads, 1e-3)
 
 
-@pytest.mark.hand_made_gradients
 def test_an_element_far_below_its_tensors_largest_moves_as_in_float32():
   """Gradients [10, 1e-6, 1e-3] in one tensor: the second moments are 1e-14 apart. With float16
   and one scale per tensor the 1e-6 element's moment was stored as 0 and it moved 4.5x too far."""
@@ -353,7 +347,6 @@ def test_an_element_far_below_its_tensors_largest_moves_as_in_float32():
   assert_follows_float32_adam(got, params, grads, 1e-3)
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("method", ["kahan", "stochastic_rounding"])
 def test_the_full_stack_on_decaying_gradients_has_no_nan(method):
   """`master_weights(dynamic_loss_scaling(low_precision_state(adam)))` on float16 parameters whose
@@ -384,7 +377,6 @@ def test_the_full_stack_on_decaying_gradients_has_no_nan(method):
   assert_follows_float32_adam(final, params, grads, 1e-3, parameter_rounding=parameter_rounding)
 
 
-@pytest.mark.hand_made_gradients
 def test_bfloat16_parameters_with_float32_gradients():
   """Adam on bfloat16 parameters takes bfloat16 moments from `init`; float32 gradients promote
   them. The state stays bfloat16 from step to step (one compilation), and the updates are float32
