@@ -5,14 +5,17 @@ A float32 ``x`` between two neighbours ``down < x < up`` of a 16-bit dtype is
 rounded up with probability ``(x - down) / (up - down)``, so its expected
 value is ``x`` exactly::
 
-    u = uniform(key, stream, shape)                  # one number per element
+    seeds = leaf_key(key, stream, leaf)              # two uint32 scalars
+    u = uniform(seeds, shape)                        # one number per element
     rounded = up if u < (x - down) / (up - down) else down
 
 The numbers come from a key held in each wrapper's state, split once per
-step, and from a *stream*: each wrapper (and each leaf within it) folds its own
-constant into the key, so that `master_weights` and `low_precision_state`
+step, and from a *stream*: each wrapper hashes its own constant and each
+leaf's index into the key, so that `master_weights` and `low_precision_state`
 given the same seed (both default to 0) still draw independent numbers, where
-parameter leaf i and state leaf i once drew the same ones.
+parameter leaf i and state leaf i once drew the same ones. bfloat16 (every
+stored state leaf) is rounded on its bits by `to_bfloat16`, the same rule
+with integer arithmetic.
 
 A low module: it imports nothing else of jaxscale.
 """
@@ -23,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The streams: any distinct constants. Folded into the key before the leaf's index, so no leaf of
-# one wrapper shares numbers with a leaf of the other.
+# The streams: any distinct constants, hashed with the key and the leaf's index, so no leaf of one
+# wrapper shares numbers with a leaf of the other.
 MASTER_WEIGHTS = 0x6D617374  # "mast"
 LOW_PRECISION_STATE = 0x6C6F7770  # "lowp"
 
@@ -47,12 +50,21 @@ def raw_key(key, who: str) -> jax.Array:
 
 
 def leaf_key(key: jax.Array, stream: int, index: int) -> jax.Array:
-  """The key of leaf ``index`` of ``stream``, from a wrapper's per-step key."""
-  return jax.random.fold_in(jax.random.fold_in(key, stream), index)
+  """The seeds (two ``uint32`` scalars) of leaf ``index`` of ``stream``, from a wrapper's per-step raw key.
+
+  Hashed with `_lowbias32` rather than `jax.random.fold_in`: each threefry call compiles to a
+  loop of its own, three per leaf once, and they made the compile time of a 16-bit Adam step
+  several times float32's (benchmarks/NOTES.md #28). Rounding noise needs well-mixed bits, not a
+  cryptographic stream.
+  """
+  key = key.astype(jnp.uint32)
+  a = _lowbias32(key[0] ^ jnp.uint32(stream))
+  b = _lowbias32(key[1] ^ jnp.uint32((index * 0x9E3779B9 + 0x7F4A7C15) & 0xFFFFFFFF))
+  return _lowbias32(a + b), _lowbias32(a ^ _lowbias32(b + jnp.uint32(1)))
 
 
-def random_bits(key: jax.Array, shape) -> jax.Array:
-  """Random uint32 numbers, one per element, from ``key`` and each element's index.
+def random_bits(seeds: jax.Array, shape) -> jax.Array:
+  """Random uint32 numbers, one per element, from ``seeds`` (`leaf_key`) and each element's index.
 
   A counter-based hash (Wellons' ``lowbias32``, applied twice, seeded from the key) rather than
   ``jax.random.bits``: it is elementwise, so it fuses into the rounding that reads it, where
@@ -60,14 +72,13 @@ def random_bits(key: jax.Array, shape) -> jax.Array:
   per parameter of temporaries (benchmarks/NOTES.md #20). Computed from the global index, so a
   sharded or replicated array draws the same numbers on every device.
   """
-  seeds = jax.random.bits(key, (2,), jnp.uint32)
   index = jax.lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
   return _lowbias32(_lowbias32(index ^ seeds[0]) + seeds[1])
 
 
-def uniform(key: jax.Array, shape) -> jax.Array:
+def uniform(seeds: jax.Array, shape) -> jax.Array:
   """Uniform float32 numbers in [0, 1), multiples of 2**-24, one per element (`random_bits`)."""
-  return (random_bits(key, shape) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+  return (random_bits(seeds, shape) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 def _lowbias32(x: jax.Array) -> jax.Array:
@@ -94,7 +105,7 @@ def stochastic_round(x: jax.Array, dtype, u: jax.Array) -> jax.Array:
   return jnp.where(u < fraction, up, down)
 
 
-def to_bfloat16(x: jax.Array, key: jax.Array) -> jax.Array:
+def to_bfloat16(x: jax.Array, seeds: jax.Array) -> jax.Array:
   """``x`` (float32) rounded stochastically to bfloat16, on its bits: unbiased for every finite value.
 
   bfloat16 is float32's upper 16 bits. Adding 16 random bits to the lower 16 and keeping the upper
@@ -108,7 +119,7 @@ def to_bfloat16(x: jax.Array, key: jax.Array) -> jax.Array:
   """
   big = jnp.float32(jnp.finfo(jnp.bfloat16).max)
   bits = jax.lax.bitcast_convert_type(jnp.clip(x.astype(jnp.float32), -big, big), jnp.uint32)
-  upper = ((bits + (random_bits(key, x.shape) >> 16)) >> 16).astype(jnp.uint16)
+  upper = ((bits + (random_bits(seeds, x.shape) >> 16)) >> 16).astype(jnp.uint16)
   rounded = jax.lax.bitcast_convert_type(upper, jnp.bfloat16)
   # A NaN's payload could carry into the sign bit; keep it a NaN.
   return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)

@@ -21,7 +21,8 @@ def spread(n=4096, seed=0):
 
 def test_round_trip_within_one_ulp_of_every_element_and_unbiased():
   x = spread()
-  stored = jax.jit(_rounding.to_bfloat16)(jnp.asarray(x), jax.random.key(0))
+  seeds = lambda key: _rounding.leaf_key(key, _rounding.LOW_PRECISION_STATE, 0)
+  stored = jax.jit(_rounding.to_bfloat16)(jnp.asarray(x), seeds(jax.random.PRNGKey(0)))
   assert stored.dtype == jnp.bfloat16
   back = np.asarray(stored.astype(jnp.float32)).astype(np.float64)
   x64 = x.astype(np.float64)
@@ -31,8 +32,8 @@ def test_round_trip_within_one_ulp_of_every_element_and_unbiased():
   assert np.mean(back != x64) > 0.9  # rounded: the test is not vacuous
   # Unbiased: the mean over 256 keys is within 5 standard errors of each value (each draw is off
   # by at most an ulp, so its standard deviation is at most half an ulp).
-  many = jax.jit(jax.vmap(lambda k: _rounding.to_bfloat16(jnp.asarray(x), k).astype(jnp.float32)))(
-      jax.random.split(jax.random.key(1), 256))
+  many = jax.jit(jax.vmap(lambda k: _rounding.to_bfloat16(jnp.asarray(x), seeds(k)).astype(jnp.float32)))(
+      jax.random.split(jax.random.PRNGKey(1), 256))
   mean = np.asarray(many, np.float64).mean(axis=0)
   assert np.all(np.abs(mean - x64) <= 5 * 0.5 * 2.0**-7 * np.abs(x64) / np.sqrt(256))
 
