@@ -116,8 +116,8 @@ def dynamic_loss_scaling(
     if any(_is_scaler(x) for x in jax.tree.leaves(inner_state, is_leaf=_is_scaler)):
       raise ValueError(
           "`dynamic_loss_scaling` wraps an optimizer that already holds a loss scaler (a "
-          "`dynamic_loss_scaling` inside `inner`): the gradients would be unscaled twice. Wrap "
-          "the optimizer once, outermost (inside `master_weights`, if any)."
+          "`dynamic_loss_scaling` inside `inner`): two scales would back off and grow apart, and "
+          "`find_scaler` could not tell which one scales the loss. Wrap the optimizer once."
       )
     return DynamicLossScalingState(_scaler.init(**init_options), inner_state)
 

@@ -357,21 +357,36 @@ def scale(state: ScalerState, tree: Any) -> Any:
         f"floating leaf), but got leaves of dtypes {dtypes}."
     )
 
-  if _inside_value_and_grad.get():
+  scaled = jax.tree.map(lambda x: _times(x, state.scale), tree)
+  outputs = _scaled_here.get()
+  if outputs is not None:  # inside `jaxscale.value_and_grad`'s loss function: it checks the loss it gets
+    outputs.extend(x for x in jax.tree.leaves(scaled) if _is_floating(x))
+  return scaled
+
+
+# While `jaxscale.value_and_grad` calls the user's loss function, the outputs of every
+# `jaxscale.scale` in that call, so that it can refuse a loss that comes back already scaled. A
+# dynamic scope, emptied when the call returns: the verdict depends on the call in progress, never
+# on what ran before. (A gradient site nested in the loss, for a gradient penalty, scales values that
+# are not the returned loss: it is not confused with the mistake.)
+_scaled_here: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxscale_scaled_here", default=None)
+
+
+def refuse_scaled_loss(loss: Any, scaled_in_call: list) -> None:
+  """Raises if ``loss`` is one of the outputs of a ``jaxscale.scale`` made inside the loss function."""
+  if any(leaf is out for leaf in jax.tree.leaves(loss) for out in scaled_in_call):
     raise ValueError(
-        "`jaxscale.scale` was called inside the loss function given to `jaxscale.value_and_grad`, "
-        "which scales the loss itself: the gradients would come out `scale` times too large. "
-        "Return the plain loss from the function; `value_and_grad` scales it, differentiates and "
-        "unscales."
+        "The loss function given to `jaxscale.value_and_grad` returned a loss already multiplied "
+        "by `jaxscale.scale`, and `value_and_grad` scales the loss itself: the gradients would "
+        "come out `scale` times too large. Return the plain loss; `value_and_grad` scales it, "
+        "differentiates and unscales."
     )
-  return jax.tree.map(lambda x: _times(x, state.scale), tree)
 
 
-# Set while `jaxscale.value_and_grad` calls the user's loss function, and reset when it returns: a
-# dynamic scope, so what it says depends on the call in progress, never on what ran before.
-_inside_value_and_grad: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "jaxscale_inside_value_and_grad", default=False
-)
+def _staging() -> bool:
+  """Whether the caller runs inside a staged trace (``jit``, ``scan``, ...), where even a constant
+  is a tracer; ``grad`` and ``vmap`` alone, outside ``jit``, compute eagerly."""
+  return isinstance(jnp.zeros((), jnp.bool_), Tracer)
 
 
 def warn_if_constant(state: ScalerState, tree: Any, function: str) -> None:
@@ -385,7 +400,7 @@ def warn_if_constant(state: ScalerState, tree: Any, function: str) -> None:
   """
   if isinstance(state.scale, Tracer) or isinstance(state.dynamic, Tracer):
     return
-  if not any(isinstance(x, Tracer) for x in jax.tree.leaves(tree)):
+  if not (_staging() and any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))):
     return
   if not (np.all(np.asarray(state.dynamic)) and np.all(np.asarray(state.enabled))):
     return  # a static or disabled scale never changes anyway
@@ -442,17 +457,12 @@ def unscale_and_check_unchecked(state: ScalerState, grads: Any, *, axis_name: An
   grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) if _is_narrow(g) else g, grads)
   r1, r2 = _reciprocal_factors(state.scale)
   unscaled = jax.tree.map(lambda g: _times(g, r1, r2), grads)
-  # The flag must hold for the unscaled gradients, but it is computed from
-  # the scaled ones as they lie in memory: then XLA reads each buffer once in
-  # the reduction, where a reduction over `unscaled` made it write all the
-  # unscaled gradients out first (an extra gradient-sized buffer and two
-  # extra passes; benchmarks/NOTES.md). The two flags agree: a scale >= 1
-  # only shrinks finite values, and a scale < 1 (the only case where
-  # unscaling can overflow) is a normal number whose exact reciprocal is
-  # probed.
-  probe_factor = jnp.where(state.scale < 1, 1 / state.scale, 0.0)
-  probes = jax.tree.map(lambda g: _times(g, probe_factor), grads)
-  return unscaled, all_finite(probes, axis_name=axis_name) | ~state.enabled
+  # The flag is the check of the unscaled gradients, the very expression the Optax wrapper
+  # computes on the gradients it is given: when they arrive unchanged, XLA merges the two
+  # reductions (common subexpressions), and the step reads the gradients once for both
+  # (benchmarks/NOTES.md #21). inf and NaN survive exact unscaling, and a scale below 1, the only
+  # one that can overflow a finite gradient, is caught here as it should be.
+  return unscaled, all_finite(unscaled, axis_name=axis_name) | ~state.enabled
 
 
 def _is_narrow(x) -> bool:

@@ -22,8 +22,3 @@ def x64():
     from jax.experimental import enable_x64
   with enable_x64(True):
     yield
-
-
-# The wrapper warns, at trace time, when it is given gradients without `finite=` although no loss
-# was scaled since its last update (a forgotten `jaxscale.scale`). Tests of its mechanics that feed
-# it hand-made gradients say so with this marker.

@@ -217,9 +217,10 @@ def test_a_loss_scaled_twice_is_an_error(wrap):
   with pytest.raises(ValueError) as error:
     wrap(functools.partial(step, tx))(PARAMS, tx.init(PARAMS), X, Y)
   assert str(error.value) == (
-      "`jaxscale.scale` was called inside the loss function given to `jaxscale.value_and_grad`, "
-      "which scales the loss itself: the gradients would come out `scale` times too large. Return "
-      "the plain loss from the function; `value_and_grad` scales it, differentiates and unscales."
+      "The loss function given to `jaxscale.value_and_grad` returned a loss already multiplied by "
+      "`jaxscale.scale`, and `value_and_grad` scales the loss itself: the gradients would come out "
+      "`scale` times too large. Return the plain loss; `value_and_grad` scales it, differentiates "
+      "and unscales."
   )
   # ... and that scope ends with the call: a scale afterwards (a logged scaled loss) is fine.
   assert float(jaxscale.scale(jaxscale.init(init_scale=4.0), jnp.float32(2.0))) == 8.0
@@ -247,6 +248,31 @@ def test_a_scaler_found_outside_the_step_and_closed_over_warns_at_trace_time():
     step(PARAMS, opt_state, X, Y)
   assert [str(w.message) for w in record] == [CONSTANT_SCALER]
   assert record[0].filename == __file__  # it points at the user's line
+
+
+@pytest.mark.parametrize("site", ["value_and_grad", "by_hand"])
+def test_a_gradient_penalty_nests_a_gradient_site_in_the_loss_without_a_word(site):
+  # The penalty's inner gradient is a gradient site of its own (scaled, differentiated, unscaled);
+  # it is not the mistake of a loss scaled twice, eagerly (no constant-scaler warning outside
+  # `jit` either) or under jit.
+  scaler = jaxscale.init(init_scale=1024.0)
+  task = lambda w: jnp.sum(jnp.tanh(w) ** 2)
+
+  def penalized(w, scaler):
+    if site == "value_and_grad":
+      _, g, _ = jaxscale.value_and_grad(task)(scaler, w)
+    else:
+      g, _ = jaxscale.unscale_and_check(scaler, jax.grad(lambda v: jaxscale.scale(scaler, task(v)))(w))
+    return task(w) + jnp.sum(g**2)
+
+  w = jnp.array([0.7, -1.3])
+  want = jax.grad(lambda w: task(w) + jnp.sum(jax.grad(task)(w) ** 2))(w)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for run in (lambda w, s: jaxscale.value_and_grad(penalized)(s, w, s), jax.jit(lambda w, s: jaxscale.value_and_grad(penalized)(s, w, s))):
+      _, grads, finite = run(w, scaler)
+      assert bool(finite)
+      np.testing.assert_allclose(grads, want, rtol=1e-6)  # scales of 2**10, exact: float32 rounding
 
 
 def test_a_static_scaler_closed_over_does_not_warn():
