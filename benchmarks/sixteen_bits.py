@@ -407,8 +407,11 @@ def lm_quality(steps=LM_STEPS, width=LM_WIDTH, only=None):
         params, opt_state = step(params, opt_state, lm.sample_windows(train_data, rng, args.batch, args.seq_len))
       eval_loss = jax.jit(model_loss)
       losses.append(float(np.mean([eval_loss(params, w) for w in eval_windows])))
-      skipped = int(jaxscale.metrics(opt_state)["skipped_steps"])
-      print(f"  {name}, seed {seed}: {losses[-1]:.4f} ({skipped} skipped steps, {time.process_time() - start:.0f} CPU-s so far)",
+      try:
+        skipped = f"{int(jaxscale.metrics(opt_state)['skipped_steps'])} skipped steps"
+      except FloatingPointError:  # the scale reached its floor: the run stalled, and says so
+        skipped = "stalled at the scale's floor"
+      print(f"  {name}, seed {seed}: {losses[-1]:.4f} ({skipped}, {time.process_time() - start:.0f} CPU-s so far)",
             flush=True)
     results[name] = losses
   lo, hi = (min(results["float32"]), max(results["float32"])) if "float32" in results else (np.nan, np.nan)

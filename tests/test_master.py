@@ -47,7 +47,16 @@ def run(tx, params, grads_of, steps=STEPS):
   return history, step
 
 
-def test_equals_float32_reference_run_bit_for_bit():
+# The two runs are two compiled programs: XLA:CPU may contract a multiply-add of Adam's moments into
+# a fused multiply-add in one and not in the other (seen since the true-gradient contract: element
+# 0 of `mu` one ulp apart at step 1). Each contraction skips one rounding, at most half a float32
+# ulp (2**-24 relative) of the moment, and the moments carry it on with decay below 1, so after
+# STEPS steps the moments, and with them the updates and the master, are within STEPS * 2**-23
+# (relative) of the reference's; every other difference would be far larger.
+DRIFT = STEPS * 2.0**-23
+
+
+def test_equals_float32_reference_run():
   params = f16_params()
   tx = jaxscale.master_weights(make_inner())
   history, step = run(tx, (params), lambda i: (random_grads(i, params)))
@@ -58,15 +67,15 @@ def test_equals_float32_reference_run_bit_for_bit():
   before = params["w"]
   for (p, s), (p_ref, s_ref) in zip(history, reference):
     assert p["w"].dtype == jnp.float16 and p["b"].dtype == jnp.float32
-    np.testing.assert_array_equal(s.master["w"], p_ref["w"])  # the master is the float32 run
+    np.testing.assert_allclose(s.master["w"], p_ref["w"], rtol=DRIFT, atol=0)  # the master is the float32 run
     if bool(jaxscale.find_scaler(s).last_skipped):
       np.testing.assert_array_equal(p["w"], before)  # a skipped step moves nothing
     else:
-      assert_lands(before, p["w"], p_ref["w"].astype(jnp.float16))
+      assert_lands(before, p["w"], s.master["w"].astype(jnp.float16))
     before = p["w"]
-    np.testing.assert_array_equal(p["b"], p_ref["b"])  # float32 leaves pass through
+    np.testing.assert_allclose(p["b"], p_ref["b"], rtol=DRIFT, atol=0)  # float32 leaves pass through
     assert isinstance(s.master["b"], optax.MaskedNode)  # and have no copy
-    chex_equal(s.inner_state, s_ref)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=DRIFT, atol=0), s.inner_state, s_ref)
   assert int(jaxscale.find_scaler(history[-1][1]).skipped_steps) == 1
   assert step._cache_size() == 1  # one compilation for the whole run, skipped step included
 
@@ -224,25 +233,38 @@ def test_stochastic_rounding_draws_new_numbers_each_step():
 
 
 def test_gradients_below_float16_subnormals_reach_the_master():
-  """True gradients of 2**-30 exist in float16 only scaled; a float32 unscale keeps them."""
+  """True gradients of 2**-30 exist in float16 only scaled: the gradient site casts them to float32
+  before it unscales them, and the master takes exactly what float32 gives."""
   true_grad = 2.0**-30 * jnp.arange(1, 5, dtype=jnp.float32)
-  scaled = (true_grad * 2.0**16).astype(jnp.float16)  # 2**-14 * k: representable
-  np.testing.assert_array_equal(scaled.astype(jnp.float32), true_grad * 2.0**16)
   params = jnp.ones(4, jnp.float16)
-
-  right = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**16))
-  _, state = right.update(scaled, right.init(params), params)
+  tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**16))
+  state = tx.init(params)
+  loss = lambda p: jnp.sum(p.astype(jnp.float32) * true_grad)
+  _, grads, finite = jaxscale.value_and_grad(loss)(jaxscale.find_scaler(state), params)
+  assert grads.dtype == jnp.float32
+  _, state = tx.update(grads, state, params, finite=finite)
   np.testing.assert_array_equal(state.master, 1.0 - true_grad)  # exactly what float32 gives
+  # What unscaling in float16 would do: every one of them flushes to zero.
+  scaled16 = (true_grad * 2.0**16).astype(jnp.float16)
+  assert not np.any(np.asarray(scaled16 / jnp.float16(2.0**8) / jnp.float16(2.0**8)))  # 2**16 is past float16's max
 
-  # What the other order would do: unscaling in float16 flushes every one of them to zero.
-  unscaled16, _ = jaxscale.unscale_and_check(jaxscale.init(init_scale=2.0**16), scaled)
-  assert unscaled16.dtype == jnp.float16 and not np.any(unscaled16)
 
-
-def test_wrong_nesting_is_refused():
-  wrong = jaxscale.dynamic_loss_scaling(optax.chain(optax.identity(), jaxscale.master_weights(optax.adam(1e-3))))
-  with pytest.raises(ValueError, match=r"master_weights\(dynamic_loss_scaling\(inner\)\)"):
-    wrong.init({"w": jnp.ones(3, jnp.float16)})
+def test_the_other_nesting_trains_the_same():
+  """`dynamic_loss_scaling(master_weights(inner))`: with true float32 gradients the scaler checks
+  the same values and keeps the same state on a skipped step, so the parameters are the same."""
+  params = {"w": jnp.linspace(-1, 1, 8).astype(jnp.float16)}
+  grads = lambda i: {"w": jnp.where(i == 2, jnp.inf, 0.1 * jnp.cos(jnp.arange(8.0) + i))}
+  outer = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.adam(1e-2)))
+  inner = jaxscale.dynamic_loss_scaling(jaxscale.master_weights(optax.adam(1e-2)))
+  results = []
+  for tx in (outer, inner):
+    p, s = params, tx.init(params)
+    for i in range(5):
+      u, s = jax.jit(tx.update)(grads(i), s, p)
+      p = optax.apply_updates(p, u)
+    results.append(p["w"])
+    assert int(jaxscale.find_scaler(s).skipped_steps) == 1
+  np.testing.assert_array_equal(results[0], results[1])
 
 
 def test_inside_chain_and_found_by_find_scaler():
