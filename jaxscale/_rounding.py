@@ -121,8 +121,8 @@ def to_bfloat16(x: jax.Array, seeds: jax.Array) -> jax.Array:
   bits = jax.lax.bitcast_convert_type(jnp.clip(x.astype(jnp.float32), -big, big), jnp.uint32)
   upper = ((bits + (random_bits(seeds, x.shape) >> 16)) >> 16).astype(jnp.uint16)
   rounded = jax.lax.bitcast_convert_type(upper, jnp.bfloat16)
-  # A NaN's payload could carry into the sign bit; keep it a NaN.
-  return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)
+  # inf was clipped, and a NaN's payload could carry into the sign bit: both as they were.
+  return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.bfloat16))
 
 
 def materialise(x: jax.Array) -> jax.Array:

@@ -36,6 +36,10 @@ def test_round_trip_within_one_ulp_of_every_element_and_unbiased():
       jax.random.split(jax.random.PRNGKey(1), 256))
   mean = np.asarray(many, np.float64).mean(axis=0)
   assert np.all(np.abs(mean - x64) <= 5 * 0.5 * 2.0**-7 * np.abs(x64) / np.sqrt(256))
+  # The largest float32 values stay finite, infinities stay infinite, NaN stays NaN.
+  edges = jnp.asarray([3.4e38, -3.4e38, np.inf, -np.inf, np.nan], jnp.float32)
+  got = np.asarray(_rounding.to_bfloat16(edges, seeds(jax.random.PRNGKey(2))).astype(jnp.float32))
+  assert np.all(np.isfinite(got[:2])) and list(got[2:4]) == [np.inf, -np.inf] and np.isnan(got[4])
 
 
 def test_adams_second_moment_decays_where_bfloat16_rounded_to_nearest_sticks():
