@@ -233,38 +233,39 @@ def test_stochastic_rounding_draws_new_numbers_each_step():
 
 
 def test_gradients_below_float16_subnormals_reach_the_master():
-  """True gradients of 2**-30 exist in float16 only scaled: the gradient site casts them to float32
-  before it unscales them, and the master takes exactly what float32 gives."""
+  """True gradients of 2**-30 exist in float16 only scaled; the gradient site unscales them in float32."""
   true_grad = 2.0**-30 * jnp.arange(1, 5, dtype=jnp.float32)
-  params = jnp.ones(4, jnp.float16)
+  scaled = (true_grad * 2.0**16).astype(jnp.float16)  # 2**-14 * k: representable
+  np.testing.assert_array_equal(scaled.astype(jnp.float32), true_grad * 2.0**16)
+  params = jnp.zeros(4, jnp.float16)
   tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**16))
   state = tx.init(params)
-  loss = lambda p: jnp.sum(p.astype(jnp.float32) * true_grad)
-  _, grads, finite = jaxscale.value_and_grad(loss)(jaxscale.find_scaler(state), params)
+  grads, finite = jaxscale.unscale_and_check(jaxscale.find_scaler(state), scaled)
   assert grads.dtype == jnp.float32
+  np.testing.assert_array_equal(grads, true_grad)
   _, state = tx.update(grads, state, params, finite=finite)
-  np.testing.assert_array_equal(state.master, 1.0 - true_grad)  # exactly what float32 gives
-  # What unscaling in float16 would do: every one of them flushes to zero.
-  scaled16 = (true_grad * 2.0**16).astype(jnp.float16)
-  assert not np.any(np.asarray(scaled16 / jnp.float16(2.0**8) / jnp.float16(2.0**8)))  # 2**16 is past float16's max
+  np.testing.assert_array_equal(state.master, -true_grad)  # exactly what float32 gives
+  # Unscaled in float16 instead, every one of them would have flushed to zero.
+  assert not np.any(np.asarray(scaled) * np.float16(2.0**-16))
 
 
-def test_the_other_nesting_trains_the_same():
-  """`dynamic_loss_scaling(master_weights(inner))`: with true float32 gradients the scaler checks
-  the same values and keeps the same state on a skipped step, so the parameters are the same."""
-  params = {"w": jnp.linspace(-1, 1, 8).astype(jnp.float16)}
-  grads = lambda i: {"w": jnp.where(i == 2, jnp.inf, 0.1 * jnp.cos(jnp.arange(8.0) + i))}
-  outer = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.adam(1e-2)))
-  inner = jaxscale.dynamic_loss_scaling(jaxscale.master_weights(optax.adam(1e-2)))
-  results = []
-  for tx in (outer, inner):
-    p, s = params, tx.init(params)
-    for i in range(5):
-      u, s = jax.jit(tx.update)(grads(i), s, p)
-      p = optax.apply_updates(p, u)
-    results.append(p["w"])
-    assert int(jaxscale.find_scaler(s).skipped_steps) == 1
-  np.testing.assert_array_equal(results[0], results[1])
+@pytest.mark.parametrize("method", ["float32", "kahan", "stochastic_rounding"])
+def test_either_nesting_trains_the_same(method):
+  # The wrapper no longer unscales: around master_weights or inside it, the same true gradients give
+  # the same parameters, and a skipped step keeps everything.
+  params = {"w": jnp.linspace(-1, 1, 6, dtype=jnp.float16)}
+  grads = [{"w": jnp.full(6, g, jnp.float32)} for g in (1e-3, jnp.inf, -2e-3, 5e-4)]
+  runs = [jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.adam(1e-2)), method=method),
+          jaxscale.dynamic_loss_scaling(jaxscale.master_weights(optax.adam(1e-2), method=method))]
+  finals = []
+  for tx in runs:
+    p, state = params, tx.init(params)
+    for g in grads:
+      updates, state = jax.jit(tx.update)(g, state, p)
+      p = optax.apply_updates(p, updates)
+    finals.append(p)
+    assert int(jaxscale.find_scaler(state).skipped_steps) == 1
+  np.testing.assert_array_equal(finals[0]["w"], finals[1]["w"])
 
 
 def test_inside_chain_and_found_by_find_scaler():
