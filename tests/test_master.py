@@ -47,7 +47,16 @@ def run(tx, params, grads_of, steps=STEPS):
   return history, step
 
 
-def test_equals_float32_reference_run_bit_for_bit():
+# The two runs are two compiled programs: XLA:CPU may contract a multiply-add of Adam's moments into
+# a fused multiply-add in one and not in the other (seen since the true-gradient contract: element
+# 0 of `mu` one ulp apart at step 1). Each contraction skips one rounding, at most half a float32
+# ulp (2**-24 relative) of the moment, and the moments carry it on with decay below 1, so after
+# STEPS steps the moments, and with them the updates and the master, are within STEPS * 2**-23
+# (relative) of the reference's; every other difference would be far larger.
+DRIFT = STEPS * 2.0**-23
+
+
+def test_equals_float32_reference_run():
   params = f16_params()
   tx = jaxscale.master_weights(make_inner())
   history, step = run(tx, (params), lambda i: (random_grads(i, params)))
@@ -58,15 +67,15 @@ def test_equals_float32_reference_run_bit_for_bit():
   before = params["w"]
   for (p, s), (p_ref, s_ref) in zip(history, reference):
     assert p["w"].dtype == jnp.float16 and p["b"].dtype == jnp.float32
-    np.testing.assert_array_equal(s.master["w"], p_ref["w"])  # the master is the float32 run
+    np.testing.assert_allclose(s.master["w"], p_ref["w"], rtol=DRIFT, atol=0)  # the master is the float32 run
     if bool(jaxscale.find_scaler(s).last_skipped):
       np.testing.assert_array_equal(p["w"], before)  # a skipped step moves nothing
     else:
-      assert_lands(before, p["w"], p_ref["w"].astype(jnp.float16))
+      assert_lands(before, p["w"], s.master["w"].astype(jnp.float16))
     before = p["w"]
-    np.testing.assert_array_equal(p["b"], p_ref["b"])  # float32 leaves pass through
+    np.testing.assert_allclose(p["b"], p_ref["b"], rtol=DRIFT, atol=0)  # float32 leaves pass through
     assert isinstance(s.master["b"], optax.MaskedNode)  # and have no copy
-    chex_equal(s.inner_state, s_ref)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=DRIFT, atol=0), s.inner_state, s_ref)
   assert int(jaxscale.find_scaler(history[-1][1]).skipped_steps) == 1
   assert step._cache_size() == 1  # one compilation for the whole run, skipped step included
 
@@ -450,3 +459,27 @@ def test_jit_with_donation(method):
 def test_an_optimizer_factory_not_called_says_call_it():
   with pytest.raises(TypeError, match=r"call it, e.g. `master_weights\(optax.adam\(learning_rate\)\)`"):
     jaxscale.master_weights(optax.adam)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("method", METHODS)
+def test_float8_parameters_are_refused_by_name(method, dtype):
+  """float8_e4m3fn has no infinity, so the rounding's `nextafter(x, inf)` is NaN: every parameter
+  was NaN after the first stochastically rounded step."""
+  params = {"w": jnp.ones(3, dtype), "b": jnp.zeros(2)}
+  with pytest.raises(ValueError, match=rf"dtype {dtype} at \['w'\]; it supports float16 and bfloat16"):
+    jaxscale.master_weights(optax.sgd(1e-3), method=method).init(params)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_size_parameters(method):
+  """An empty leaf (a (0, 3) matrix) beside a real one: it stays empty, and the other follows
+  float32 SGD as without it."""
+  params = {"empty": jnp.zeros((0, 3), jnp.float16), "w": jnp.ones(4, jnp.float16)}
+  tx = jaxscale.master_weights(optax.sgd(0.25), method=method)
+  grads = {"empty": jnp.zeros((0, 3), jnp.float32), "w": jnp.full(4, 1.0, jnp.float32)}
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  assert new["empty"].shape == (0, 3) and new["empty"].dtype == jnp.float16
+  np.testing.assert_array_equal(new["w"], np.full(4, 0.75, np.float16))  # exact in float16: no rounding
+
