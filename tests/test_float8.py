@@ -1,0 +1,314 @@
+"""Scaled float8 matmuls against an independent reference: the quantization and its power-of-two scale
+bit for bit against ml_dtypes' rounding of exact float64 products; the matmul's and its gradients'
+errors against float64 within a bound derived from the formats; scale invariance; zeros, inf, NaN."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+
+from jaxscale import _float8
+
+E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
+F32 = np.dtype(np.float32)
+# Unit roundoff (half an ulp at 1, relative) and half the smallest subnormal, of each format's
+# scaled values: e4m3 keeps 3 mantissa bits and its subnormals are multiples of 2**-9; e5m2 keeps 2,
+# multiples of 2**-16.
+UNIT = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
+MATMUL = (((1,), (0,)), ((), ()))
+
+
+# --- the reference: NumPy in float64, ml_dtypes' casts ---------------------------------------------
+
+
+def reference_exponent(amax: float, dtype) -> int:
+  """The largest k with amax * 2**k <= the format's largest value, by search in exact float64."""
+  top = float(ml_dtypes.finfo(dtype).max)
+  if not (np.isfinite(amax) and amax > 0):
+    return 0
+  k = int(np.floor(np.log2(top / amax)))
+  while np.ldexp(amax, k) > top:  # log2 may round across a power of two: correct it
+    k -= 1
+  while np.ldexp(amax, k + 1) <= top:
+    k += 1
+  return int(np.clip(k, -126, 127))
+
+
+def reference_quantize(x, dtype):
+  """(codes, k): x * 2**k, exact in float64, rounded once by ml_dtypes (to nearest, ties to even)."""
+  x = np.asarray(x, np.float64)
+  k = reference_exponent(float(np.max(np.abs(x))) if x.size else 0.0, dtype)
+  return np.ldexp(x, k).astype(dtype), k
+
+
+def dot64(a, b, dims=MATMUL):
+  """dot_general in float64, by NumPy: each operand's dimensions named, then einsum."""
+  (lc, rc), (lb, rb) = dims
+  letters = iter("abcdefghijklmnopqrstuvwxyz")
+  lhs = [next(letters) for _ in range(np.ndim(a))]
+  rhs = [next(letters) for _ in range(np.ndim(b))]
+  for i, j in (*zip(lc, rc), *zip(lb, rb)):
+    rhs[j] = lhs[i]
+  out = [lhs[d] for d in lb] + [s for d, s in enumerate(lhs) if d not in lc and d not in lb]
+  out += [s for d, s in enumerate(rhs) if d not in rc and d not in rb]
+  return np.einsum(f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}", np.asarray(a, np.float64), np.asarray(b, np.float64))
+
+
+def error_bound(product, a, b, ka, kb, fmt_a, fmt_b, terms):
+  """What quantizing two operands and summing in float32 may cost each element of ``product(a, b)``.
+
+  Each quantized operand is |q - x| <= u |x| + e (u the unit roundoff of its format; e half its
+  smallest subnormal, unscaled: 2**-10 / 2**k for e4m3), so |q| <= (1 + u) |x| + e and
+      |qa qb - a b| <= |qa - a| |qb| + |a| |qb - b| <= (ua |a| + ea)((1 + ub) |b| + eb) + |a| (ub |b| + eb).
+  Each product of two float8 values (at most 4 + 4 significant bits) is exact in float32; a sum of
+  `terms` of them in float32, in any order, is off by at most gamma = terms * 2**-24 / (1 - terms *
+  2**-24) times the sum of their magnitudes (Higham, Numerical Stability, 3.1). Unscaling by powers
+  of two is exact. ``product`` of non-negative operands sums magnitudes.
+  """
+  ua, ub = UNIT[fmt_a], UNIT[fmt_b]
+  ea, eb = np.ldexp(HALF_SUBNORMAL[fmt_a], -ka), np.ldexp(HALF_SUBNORMAL[fmt_b], -kb)
+  a, b = np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64))
+  gamma = terms * 2.0**-24 / (1 - terms * 2.0**-24)
+  rounding = product(ua * a + ea, (1 + ub) * b + eb) + product(a, ub * b + eb)
+  return rounding + gamma * product((1 + ua) * a + ea, (1 + ub) * b + eb)
+
+
+def operation(fun, *args):
+  """The primitive and parameters of the one equation of ``fun``'s jaxpr (as this JAX spells them)."""
+  (eqn,) = jax.make_jaxpr(fun)(*args).jaxpr.eqns
+  return eqn.primitive, eqn.params
+
+
+def float8_matmul(a, b, compute=jnp.float32, dims=MATMUL):
+  """The scaled float8 ``dot_general(a, b, dims)``, ``_float8``'s rule with no matmul kept wider."""
+  primitive, params = operation(lambda a, b: lax.dot_general(a, b, dims), a, b)
+  return _float8._scaled(primitive, params, compute, a.dtype, b.dtype)(a, b)
+
+
+def normal(shape, seed=0, scale=1.0, dtype=np.float32):
+  return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
+
+
+# --- quantization, bit for bit -------------------------------------------------------------------
+
+# Values whose absolute maximum sits on and beside the powers of two where k changes, subnormal
+# elements beside a large one, and dtypes that arrive from autocast.
+QUANTIZE_CASES = {
+    "normal": normal((64, 48)),
+    "at the top": np.array([448.0, -1.0, 0.5], np.float32),
+    "just above the top": np.array([np.nextafter(np.float32(448), np.float32(1e9)), 3.0], np.float32),
+    "just below a power of two": np.array([np.nextafter(np.float32(1), np.float32(0)), 1e-3], np.float32),
+    "the top's mantissa": np.array([0.875, 0.4375], np.float32),
+    "beside it": np.array([np.nextafter(np.float32(0.875), np.float32(1)), -0.25], np.float32),
+    "subnormal elements": np.array([1.0, 2.0**-12, 3 * 2.0**-13, 2.0**-14, -(2.0**-13)], np.float32),
+    "tiny": normal((32,), scale=1e-30),
+    "huge": normal((32,), scale=1e30),
+    "bfloat16": normal((64,), scale=300.0, dtype=ml_dtypes.bfloat16),
+    "float16": normal((64,), scale=1e-3, dtype=np.float16),
+    "zeros": np.zeros((4, 4), np.float32),
+    "below the clip": np.array([2.0**-120, -(2.0**-121)], np.float32),
+}
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", list(QUANTIZE_CASES))
+def test_quantize_is_ml_dtypes_rounding_of_the_exact_scaled_value(name, fmt):
+  x = QUANTIZE_CASES[name]
+  q, k = jax.jit(_float8.quantize, static_argnums=1)(jnp.asarray(x), fmt)
+  ref_q, ref_k = reference_quantize(x, fmt)
+  assert q.dtype == fmt and k.dtype == np.int32
+  assert int(k) == ref_k
+  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), ref_q.view(np.uint8))
+  # The scale keeps the largest value finite: no float8 NaN, and none is produced by overflow.
+  assert np.isfinite(np.asarray(q, np.float64)).all()
+
+
+def test_scale_exponent_is_the_largest_that_fits():
+  top = float(ml_dtypes.finfo(E4M3).max)  # 448
+  amax = np.array([top, top * (1 + 2.0**-23), top / 2, 1.0, 3.0, 1e-20, 2.0**-125, 0.0, np.inf, np.nan], np.float32)
+  k = np.asarray(jax.vmap(lambda m: _float8.scale_exponent(m, E4M3))(amax))
+  np.testing.assert_array_equal(k, [0, -1, 1, 8, 7, 75, 127, 0, 0, 0])
+  for value, exponent in zip(amax[:6], k[:6]):  # the definition, checked in float64
+    assert np.ldexp(np.float64(value), int(exponent)) <= top < np.ldexp(np.float64(value), int(exponent) + 1)
+
+
+def test_power_of_two_is_exact_over_float32s_normal_range():
+  k = np.arange(-126, 128)
+  np.testing.assert_array_equal(np.asarray(_float8.power_of_two(k), np.float64), np.ldexp(1.0, k))
+
+
+def test_scaling_by_a_power_of_two_gives_the_same_codes():
+  x = normal((128,))
+  q, k = _float8.quantize(jnp.asarray(x), E4M3)
+  for j in (-40, -20, 13, 60):
+    qj, kj = _float8.quantize(jnp.asarray(np.ldexp(x, j)), E4M3)
+    np.testing.assert_array_equal(np.asarray(qj).view(np.uint8), np.asarray(q).view(np.uint8))
+    assert int(kj) == int(k) - j
+
+
+# --- the product ----------------------------------------------------------------------------------
+
+
+def check_forward(a, b, compute=jnp.float32, dims=MATMUL):
+  """The float8 product against float64: within the format's bound; against the float64 product of
+  the reference's float8 values, within float32's summation bound alone (the quantization is the
+  reference's, bit for bit, so only the order of the sum may differ). Returns the bound's share used."""
+  y = jax.jit(lambda a, b: float8_matmul(a, b, compute, dims))(a, b)
+  assert y.dtype == np.dtype(compute)
+  y = np.asarray(y, np.float64)
+  (qa, ka), (qb, kb) = reference_quantize(a, E4M3), reference_quantize(b, E4M3)
+  terms = int(np.prod([np.shape(a)[d] for d in dims[0][0]]))
+  exact = np.ldexp(dot64(qa.astype(np.float64), qb.astype(np.float64), dims), -(ka + kb))
+  product = lambda x, z: dot64(x, z, dims)
+  # Cast to the compute dtype: half an ulp of the result (2**-24 for float32, 2**-8 for bfloat16).
+  cast = 2.0 ** -(jnp.finfo(compute).nmant + 1)
+  summed = (terms * 2.0**-24 / (1 - terms * 2.0**-24)) * np.ldexp(product(np.abs(qa.astype(float)), np.abs(qb.astype(float))), -(ka + kb))
+  assert (np.abs(y - exact) <= summed * (1 + cast) + cast * np.abs(exact)).all()
+  bound = error_bound(product, a, b, ka, kb, E4M3, E4M3, terms) * (1 + cast) + cast * np.abs(exact)
+  error = np.abs(y - dot64(a, b, dims))
+  assert (error <= bound).all(), np.max(error / bound)
+  return float(np.max(error / bound))
+
+
+def test_product_within_the_formats_bound():
+  share = check_forward(normal((64, 96)), normal((96, 80), seed=1))
+  assert share > 0.05  # the bound is not vacuous: the errors reach a fair part of it
+
+
+def test_product_in_bfloat16():
+  check_forward(normal((32, 64)), normal((64, 48), seed=1), compute=jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "shapes,dims",
+    [
+        (((2, 5, 3, 4), (4, 2, 3, 6)), (((3, 2), (0, 2)), ((0,), (1,)))),  # two contracted, permuted, a batch
+        (((7, 3, 16), (3, 16, 7)), (((2,), (1,)), ((1,), (0,)))),  # the batch last on the left
+        (((16,), (16, 5)), (((0,), (0,)), ((), ()))),  # a vector
+    ],
+    ids=["permuted", "batch_inside", "vector"],
+)
+def test_product_with_any_dimension_numbers(shapes, dims):
+  check_forward(normal(shapes[0]), normal(shapes[1], seed=1), dims=dims)
+
+
+@pytest.mark.parametrize("factor", [1e-6, 1.0, 1e4])
+def test_scale_invariance(factor):
+  """At 1e-6 and 1e4 the product keeps the bound it keeps at 1: the bound is relative (u) plus a
+  subnormal term relative to each operand's amax, so it scales with the inputs."""
+  a, b = normal((64, 96)) * np.float32(factor), normal((96, 80), seed=1) * np.float32(factor)
+  check_forward(a, b)
+  if factor != 1.0:  # float8 without the scale: 1e-6 flushes to zero, 1e4 overflows to NaN
+    plain = dot64(a.astype(E4M3).astype(np.float64), b.astype(E4M3).astype(np.float64))
+    (_, ka), (_, kb) = reference_quantize(a, E4M3), reference_quantize(b, E4M3)
+    bound = error_bound(dot64, a, b, ka, kb, E4M3, E4M3, 96)
+    assert not (np.abs(plain - dot64(a, b)) <= bound).all()
+
+
+def test_convolution_within_the_formats_bound(x64):
+  x, w = normal((2, 8, 9, 9)), normal((16, 8, 3, 3), seed=1)
+  conv = lambda a, b: lax.conv(a, b, (1, 1), "SAME")
+  primitive, params = operation(conv, x, w)
+  y = np.asarray(_float8._scaled(primitive, params, jnp.float32, F32, F32)(x, w), np.float64)
+  conv64 = lambda a, b: np.asarray(conv(np.asarray(a, np.float64), np.asarray(b, np.float64)))
+  (_, ka), (_, kb) = reference_quantize(x, E4M3), reference_quantize(w, E4M3)
+  bound = error_bound(conv64, x, w, ka, kb, E4M3, E4M3, 8 * 9)
+  assert (np.abs(y - conv64(x, w)) <= bound).all()
+
+
+# --- the gradients, in e5m2 ----------------------------------------------------------------------
+
+
+def dot_vjp64(a, b, g, dims):
+  """The cotangents of dot_general's operands in float64, by JAX's own rule (x64 on)."""
+  a, b, g = (jnp.asarray(x, jnp.float64) for x in (a, b, g))
+  _, pullback = jax.vjp(lambda a, b: lax.dot_general(a, b, dims), a, b)
+  return [np.asarray(x) for x in pullback(g)]
+
+
+GRADIENT_CASES = {
+    "matrix": ((48, 64), (64, 32), MATMUL),
+    "permuted": ((2, 5, 3, 16), (16, 2, 3, 6), (((3, 2), (0, 2)), ((0,), (1,)))),
+}
+
+
+@pytest.mark.parametrize("g_scale", [1e-8, 1.0, 1e6])
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_gradients_in_e5m2_within_the_formats_bound(case, g_scale, x64):
+  """Gradients of 1e-8 are below e5m2's smallest subnormal (2**-16) and 1e6 above its largest
+  (57344): scaled, they neither flush nor overflow, and keep the bound they keep at 1."""
+  a_shape, b_shape, dims = GRADIENT_CASES[case]
+  a, b = normal(a_shape), normal(b_shape, seed=1)
+  y, pullback = jax.vjp(lambda a, b: float8_matmul(a, b, dims=dims), jnp.asarray(a), jnp.asarray(b))
+  g = normal(y.shape, seed=2, scale=g_scale)
+  da, db = pullback(jnp.asarray(g))
+  assert da.dtype == db.dtype == F32
+  (_, ka), (_, kb), (_, kg) = (reference_quantize(x, f) for x, f in ((a, E4M3), (b, E4M3), (g, E5M2)))
+  ref_da, ref_db = dot_vjp64(a, b, g, dims)
+  lhs_product = lambda x, z: dot_vjp64(np.zeros(a_shape), z, x, dims)[0]  # (g, b) -> the lhs's cotangent
+  rhs_product = lambda x, z: dot_vjp64(z, np.zeros(b_shape), x, dims)[1]  # (g, a) -> the rhs's
+  # Each element of a cotangent sums over g's elements that share its non-contracted coordinates.
+  terms_a = int(g.size // np.prod([a_shape[d] for d in range(a.ndim) if d not in dims[0][0]]))
+  terms_b = int(g.size // np.prod([b_shape[d] for d in range(b.ndim) if d not in dims[0][1]]))
+  bound_a = error_bound(lhs_product, g, b, kg, kb, E5M2, E4M3, terms_a)
+  bound_b = error_bound(rhs_product, g, a, kg, ka, E5M2, E4M3, terms_b)
+  assert (np.abs(np.asarray(da, np.float64) - ref_da) <= bound_a).all()
+  assert (np.abs(np.asarray(db, np.float64) - ref_db) <= bound_b).all()
+  # The bounds say something: gradients flushed to zero (or overflowed) would break them.
+  assert (np.abs(ref_da) > bound_a).mean() > 0.2 and (np.abs(ref_db) > bound_b).mean() > 0.2
+  if g_scale != 1.0:  # and would be, without the scale
+    assert not np.isfinite(g.astype(E5M2).astype(float)).all() or not g.astype(E5M2).astype(float).any()
+
+
+def test_convolution_gradients_within_the_formats_bound(x64):
+  x, w = normal((2, 8, 9, 9)), normal((16, 8, 3, 3), seed=1)
+  conv = lambda a, b: lax.conv(a, b, (1, 1), "SAME")
+  primitive, params = operation(conv, x, w)
+  y, pullback = jax.vjp(_float8._scaled(primitive, params, jnp.float32, F32, F32), jnp.asarray(x), jnp.asarray(w))
+  g = normal(y.shape, seed=2, scale=1e-7)
+  dx, dw = pullback(jnp.asarray(g))
+  (_, kx), (_, kw), (_, kg) = (reference_quantize(v, f) for v, f in ((x, E4M3), (w, E4M3), (g, E5M2)))
+  vjp64 = lambda a, b, c: jax.vjp(conv, jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64))[1](jnp.asarray(c, jnp.float64))
+  ref_dx, ref_dw = (np.asarray(r) for r in vjp64(x, w, g))
+  bound_x = error_bound(lambda c, b: np.asarray(vjp64(np.zeros(x.shape), b, c)[0]), g, w, kg, kw, E5M2, E4M3, 16 * 9)
+  bound_w = error_bound(lambda c, a: np.asarray(vjp64(a, np.zeros(w.shape), c)[1]), g, x, kg, kx, E5M2, E4M3, 2 * 81)
+  assert (np.abs(np.asarray(dx, np.float64) - ref_dx) <= bound_x).all()
+  assert (np.abs(np.asarray(dw, np.float64) - ref_dw) <= bound_w).all()
+
+
+def test_gradients_reach_each_operand_in_its_own_dtype():
+  a, b = jnp.asarray(normal((32, 16)), jnp.bfloat16), jnp.asarray(normal((16, 32)))
+  y, pullback = jax.vjp(lambda a, b: float8_matmul(a, b, compute=jnp.bfloat16), a, b)
+  da, db = pullback(jnp.ones_like(y))
+  assert (y.dtype, da.dtype, db.dtype) == (jnp.bfloat16, jnp.bfloat16, F32)
+
+
+# --- zeros, inf, NaN -----------------------------------------------------------------------------
+
+
+def test_zero_operand_gives_zeros_and_finite_gradients():
+  a, b = jnp.zeros((16, 32)), jnp.asarray(normal((32, 16)))
+  y, pullback = jax.vjp(float8_matmul, a, b)
+  da, db = pullback(jnp.asarray(normal((16, 16), seed=2)))
+  np.testing.assert_array_equal(y, 0.0)
+  np.testing.assert_array_equal(db, 0.0)
+  assert np.isfinite(da).all() and (da != 0).any()
+  _, zero_pullback = jax.vjp(float8_matmul, jnp.asarray(normal((16, 32))), b)
+  np.testing.assert_array_equal(zero_pullback(jnp.zeros((16, 16)))[0], 0.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_input_stays_visible(bad):
+  """A NaN or inf is not scaled or quantized away: its row of the result is not finite (inf becomes
+  NaN in e4m3fn, which has no inf), and a non-finite gradient reaches both operands' gradients."""
+  a, b = normal((16, 32)), jnp.asarray(normal((32, 16), seed=1))
+  a[3, 5] = bad
+  y, pullback = jax.vjp(float8_matmul, jnp.asarray(a), b)
+  assert not np.isfinite(y[3]).any()
+  g = normal((16, 16), seed=2)
+  g[7, 2] = bad
+  da, db = pullback(jnp.asarray(g))
+  assert not np.isfinite(da[7]).any() and not np.isfinite(db[:, 2]).all()
