@@ -39,7 +39,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.extend import core
 
-from jaxscale import _policy, _tree
+from jaxscale import _float8, _policy, _tree
 
 F = TypeVar("F", bound=Callable)
 
@@ -204,6 +204,8 @@ def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
   avals = [v.aval for v in eqn.invars]
   if name in COMPUTE_PRIMITIVES and all(_floating(a) for a in avals):
     compute = policy.compute_dtype
+    if policy.matmul_dtype is not None:
+      return [_float8.matmul(eqn.primitive, eqn.params, *ins, compute)]
     ins = [_to(x, compute) for x in ins]
     return _bind(eqn, ins, dict(eqn.params, preferred_element_type=compute))
   if name in FLOAT32_PRIMITIVES:
@@ -211,6 +213,8 @@ def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
   if name in _FOLLOW_PRIMITIVES:
     return _bind(eqn, _promote(eqn, ins))
   ins = [_cast(x, a) for x, a in zip(ins, avals)]  # as the program gave them
+  if policy.matmul_dtype is not None and name in _float8.OTHER_MATMULS:
+    _float8.warn_not_float8(name)
   if name in _CALLS:
     if eqn.params.get("name") == MARKER:  # a nested autocast region: as its own policy made it
       return _bind(eqn, ins)

@@ -32,6 +32,7 @@ Why each piece:
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -57,6 +58,9 @@ REASONS = {
     ),
 }
 _SMALL = 16
+
+#: Matmul primitives that a float8 policy does not reach: they run as the program gave them.
+OTHER_MATMULS = frozenset({"ragged_dot_general", "scaled_matmul_wrapper", "scaled_dot_general"})
 
 
 def scale_exponent(amax: jax.Array, dtype: Any) -> jax.Array:
@@ -130,11 +134,31 @@ def matmul(primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute
   `wider_reason` keeps wider runs in ``compute_dtype`` inside a ``jit`` named after the reason,
   so that `precision_report` can say why.
   """
+  float8 = [f"{x.dtype.name}{list(x.shape)}" for x in (lhs, rhs) if np.dtype(x.dtype).itemsize == 1]
+  if float8:
+    warnings.warn(
+        f"A float8 operand ({', '.join(float8)}) reached a `{primitive.name}` under a float8 policy: it is "
+        "quantized again, and if it is a parameter its gradient comes back in float8, too coarse to train "
+        "on. Store parameters in float32 (the policy's `param_dtype`); `mixed_float8` quantizes them in "
+        "each matmul.",
+        stacklevel=2,
+    )
   reason = wider_reason(primitive, params, lhs.shape, rhs.shape)
   if reason is not None:
     wide = functools.partial(_bind, primitive, dict(params, preferred_element_type=np.dtype(compute_dtype)))
     return _marked(wide, reason)(lhs.astype(compute_dtype), rhs.astype(compute_dtype))
   return _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype)(lhs, rhs)
+
+
+def warn_not_float8(name: str) -> None:
+  """The trace-time warning for a matmul primitive that a float8 policy leaves in its own dtype."""
+  warnings.warn(
+      f"`jaxscale.autocast` with a float8 policy met `{name}`, a matmul it does not run in float8: it "
+      "runs in the dtypes the program gives it, and `precision_report` counts it there. Write it as "
+      "`jax.lax.dot_general` to have it in float8, or wrap it in `jaxscale.autocast(g, 'mixed_bfloat16')` "
+      "to keep it in bfloat16 and silence this warning.",
+      stacklevel=2,
+  )
 
 
 def _bind(primitive, params, *operands):

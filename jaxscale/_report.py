@@ -7,6 +7,10 @@ counts, at every depth of its jaxpr::
                        convolutions in that dtype (2 * M * N * K for a matmul; a scan body
                        times its length; a while loop's body once, as `while_loops` says;
                        the costliest branch of a cond)
+                       (float8: "float8_e4m3fn" forward, "float8_e5m2" for the products
+                       that take an e5m2 gradient, whatever the other operand)
+    kept_wider         under a float8 policy, the FLOPs of the matmuls kept wider, by the
+                       reason (`_float8.REASONS`) that the jit around them is named after
     float32_ops_in_16_bits   the operations of autocast's float32 list (exp, log, sums, ...)
                        whose operands are 16-bit, by primitive name
 
@@ -25,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale import _autocast
+from jaxscale import _autocast, _float8
 
 _SIXTEEN_BITS = ("float16", "bfloat16")
 
@@ -41,6 +45,8 @@ class PrecisionReport:
       list (exp, log, sums, ...: docs/mixed_precision.md) run on 16-bit operands.
     while_loops: how many ``while_loop`` bodies were counted once (their trip count is
       not known without running them).
+    kept_wider: under a float8 policy, reason -> FLOPs of the matmuls kept in a wider
+      dtype for it (``"small"``, ``"conv_backward"``: ``str()`` says each in full).
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale
@@ -52,6 +58,7 @@ class PrecisionReport:
   matmul_flops: dict[str, float]
   float32_ops_in_16_bits: dict[str, int]
   while_loops: int = 0
+  kept_wider: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def share(self, dtype: Any) -> float:
     """The fraction (0 to 1) of the matmul FLOPs that run in ``dtype`` (a dtype or its name)."""
@@ -60,11 +67,17 @@ class PrecisionReport:
 
   def __str__(self) -> str:
     total = sum(self.matmul_flops.values())
-    lines = [f"{'dtype':<10} {'matmul FLOPs':>13} {'share':>7}"]
+    width = max([10, *map(len, self.matmul_flops)])
+    lines = [f"{'dtype':<{width}} {'matmul FLOPs':>13} {'share':>7}"]
     for name, flops in sorted(self.matmul_flops.items(), key=lambda item: -item[1]):
-      lines.append(f"{name:<10} {flops:>13.4g} {flops / total if total else 0.0:>7.1%}")
+      lines.append(f"{name:<{width}} {flops:>13.4g} {flops / total if total else 0.0:>7.1%}")
     sixteen = sum(self.matmul_flops.get(name, 0.0) for name in _SIXTEEN_BITS)
     lines.append(f"16-bit: {sixteen / total if total else 0.0:.1%} of {total:.4g} matmul FLOPs")
+    float8 = sum(self.matmul_flops.get(dtype.name, 0.0) for dtype in _float8.FLOAT8)
+    if float8 or self.kept_wider:
+      lines.append(f"float8: {float8 / total if total else 0.0:.1%}; kept wider:{'' if self.kept_wider else ' none'}")
+    for reason, flops in sorted(self.kept_wider.items(), key=lambda item: -item[1]):
+      lines.append(f"  {flops / total if total else 0.0:.1%} ({reason}): {_float8.REASONS[reason]}")
     ops = ", ".join(f"{name} x{count}" for name, count in sorted(self.float32_ops_in_16_bits.items()))
     lines.append(f"float32-list operations in 16 bits: {ops or 'none'}")
     if self.while_loops:
@@ -115,20 +128,22 @@ def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionRepor
     return fun(*run_args, **run_kwargs)
 
   closed = jax.make_jaxpr(traced)(*(leaves[i] for i in dynamic))
-  flops, ops, loops = _count(closed.jaxpr)
-  return PrecisionReport(dict(flops), dict(ops), loops)
+  flops, ops, loops, wider = _count(closed.jaxpr)
+  return PrecisionReport(dict(flops), dict(ops), loops, dict(wider))
 
 
-def _count(jaxpr) -> tuple[dict[str, float], Counter, int]:
+def _count(jaxpr) -> tuple[dict[str, float], Counter, int, Counter]:
   flops: dict[str, float] = collections.defaultdict(float)
   ops: Counter = Counter()
+  wider: Counter = Counter()
   loops = 0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     avals = [v.aval for v in eqn.invars]
     if name in _autocast.COMPUTE_PRIMITIVES:
       lhs, rhs = avals[0].dtype.name, avals[1].dtype.name
-      flops[lhs if lhs == rhs else f"{lhs}*{rhs}"] += _flops(eqn)
+      key = _float8.BACKWARD.name if _float8.BACKWARD.name in (lhs, rhs) else lhs if lhs == rhs else f"{lhs}*{rhs}"
+      flops[key] += _flops(eqn)
     elif name in _autocast.FLOAT32_PRIMITIVES and any(
         _autocast._floating(a) and np.dtype(a.dtype).itemsize < 4 for a in avals
     ):
@@ -140,13 +155,18 @@ def _count(jaxpr) -> tuple[dict[str, float], Counter, int]:
       subs = [max(subs, key=lambda sub: sum(sub[0].values()))]
     times = eqn.params.get("length", 1) if name == "scan" else 1
     loops += name == "while"
-    for sub_flops, sub_ops, sub_loops in subs:
+    # A float8 policy's matmul kept wider sits in a jit named after the reason (under `jax.grad`
+    # too, inside "jvp(...)" / "transpose(...)").
+    reason = str(eqn.params.get("name", "")).partition(_float8.WIDER)[2].partition(")")[0]
+    for sub_flops, sub_ops, sub_loops, sub_wider in subs:
       for key, value in sub_flops.items():
         flops[key] += value * times
       for key, value in sub_ops.items():
         ops[key] += value * times
+      for key, value in (sub_wider if not reason else {reason: sum(sub_flops.values())}).items():
+        wider[key] += value * times
       loops += sub_loops
-  return flops, ops, loops
+  return flops, ops, loops, wider
 
 
 def _flops(eqn) -> float:

@@ -6,9 +6,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 from jax import lax
 
+import jaxscale
 from jaxscale import _float8
 
 E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
@@ -312,3 +314,165 @@ def test_a_non_finite_input_stays_visible(bad):
   g[7, 2] = bad
   da, db = pullback(jnp.asarray(g))
   assert not np.isfinite(da[7]).any() and not np.isfinite(db[:, 2]).all()
+
+
+# --- the policy ----------------------------------------------------------------------------------
+
+
+def test_the_preset_is_mixed_bfloat16_with_float8_matmuls():
+  policy = jaxscale.get_policy("mixed_float8")
+  assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (F32, np.dtype(jnp.bfloat16), F32)
+  assert policy.matmul_dtype == E4M3 and jaxscale.get_policy("mixed_bfloat16").matmul_dtype is None
+  assert str(policy) == "params=float32,compute=bfloat16,output=float32,matmul=float8_e4m3fn"
+  assert jaxscale.get_policy(str(policy)) == policy == jaxscale.get_policy("p=f32,c=bf16,o=f32,m=f8")
+  assert jaxscale.needs_loss_scaling(policy) is False and jaxscale.needs_loss_scaling("mixed_float8") is False
+  assert jaxscale.needs_loss_scaling("p=f32,c=f16,o=f32,m=f8") is True  # float16 elementwise work still underflows
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "compute_dtype", "output_dtype"])
+def test_a_float8_policy_dtype_says_to_use_the_preset(field):
+  dtypes = {"param_dtype": F32, "compute_dtype": F32, "output_dtype": F32, field: jnp.float8_e4m3fn}
+  with pytest.raises(ValueError, match=f"`Policy.{field}` cannot be the float8 dtype float8_e4m3fn: .* Use the preset 'mixed_float8'"):
+    jaxscale.Policy(**dtypes)
+
+
+def test_a_matmul_dtype_other_than_e4m3_is_refused():
+  with pytest.raises(ValueError, match="`Policy.matmul_dtype` must be None .* or float8_e4m3fn"):
+    jaxscale.Policy(F32, jnp.bfloat16, F32, jnp.float8_e5m2)
+  with pytest.raises(ValueError, match="Unknown matmul dtype 'f16' in policy 'm=f16'; the one there is 'float8'"):
+    jaxscale.get_policy("m=f16")
+
+
+# --- autocast: any model, every matmul in float8 ---------------------------------------------------
+
+WIDER = "jaxscale_float8_wider_"  # the name of the jit around a matmul kept wider, and why
+
+
+def matmuls(jaxpr, reason=None):
+  """(dtypes of the operands, reason) of every matmul at any depth; reason: the wider jit it sits in."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+      yield tuple(np.dtype(v.aval.dtype) for v in eqn.invars), reason
+    name = str(eqn.params.get("name", ""))
+    inner_reason = name.split(WIDER)[1].rstrip(")") if WIDER in name else reason
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(item, "jaxpr", item)
+        if hasattr(inner, "eqns"):
+          yield from matmuls(inner, inner_reason)
+
+
+def assert_float8(fun, *args, wider=()):
+  """In the jaxpr of `jax.grad(fun)`, each matmul is float8 (forward e4m3 x e4m3, backward the e5m2
+  gradient times an e4m3 operand) or sits in a jit marked with one of the reasons in `wider`."""
+  found = list(matmuls(jax.make_jaxpr(jax.grad(fun))(*args).jaxpr))
+  kinds = set()
+  for dtypes, reason in found:
+    if reason is not None:
+      assert reason in wider, (dtypes, reason)
+      kinds.add(reason)
+    else:
+      assert dtypes in ((E4M3, E4M3), (E5M2, E4M3)), dtypes
+      kinds.add(dtypes)
+  assert {(E4M3, E4M3), (E5M2, E4M3)} <= kinds and set(wider) <= kinds
+  return found
+
+
+def assert_close_to_float32(cast_loss, loss, params, *args):
+  """Loss and gradients near float32's, gradients in float32.
+
+  Each float8 matmul's operands round by up to 2**-4 (e4m3) and the gradient by 2**-3 (e5m2)
+  relative, so an element of a product is off by up to about 2**-3 of the sum of its terms'
+  magnitudes (the bound of the tests above), and so is the loss of near-uniform logits; a gradient
+  as a whole (norm) by a few times that, through the two or three matmuls of these models.
+  """
+  value, grads = jax.jit(jax.value_and_grad(cast_loss))(params, *args)
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(loss))(params, *args)
+  assert value.dtype == F32 and abs(float(value) - float(ref_value)) <= 2.0**-3 * abs(float(ref_value))
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    assert g.dtype == r.dtype == F32
+    assert np.linalg.norm(np.asarray(g) - np.asarray(r)) <= 0.5 * np.linalg.norm(np.asarray(r))
+  step = jax.jit(jax.value_and_grad(cast_loss))
+  for _ in range(3):
+    jax.block_until_ready(step(params, *args))
+  assert step._cache_size() == 1
+
+
+def cross_entropy(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def data(n=32, d=32, classes=5):
+  return jax.random.normal(jax.random.key(1), (n, d)), jax.random.randint(jax.random.key(2), (n,), 0, classes)
+
+
+def check_model(loss, params, *args, wider=("small",)):
+  """The model under "mixed_float8": float8 matmuls; the 5-class logits (5 < 16) kept wider."""
+  cast_loss = jaxscale.autocast(loss, "mixed_float8")
+  assert_float8(cast_loss, params, *args, wider=wider)
+  assert_close_to_float32(cast_loss, loss, params, *args)
+
+
+def test_linen_model_whose_every_layer_says_float32():
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(64, dtype=jnp.float32, param_dtype=jnp.float32)(x)
+      x = nn.LayerNorm(dtype=jnp.float32)(nn.gelu(x))
+      x = nn.Conv(16, (3,), dtype=jnp.float32)(x.reshape(x.shape[0], 4, 16)).reshape(x.shape[0], -1)
+      return nn.Dense(5, dtype=jnp.float32)(nn.relu(x))
+
+  x, y = data()
+  model = Net()
+  params = model.init(jax.random.key(0), x)
+  check_model(lambda p, x, y: cross_entropy(model.apply(p, x), y), params, x, y, wider=("small", "conv_backward"))
+
+
+def test_nnx_model_with_float32_param_dtype_and_dtype():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      kw = {"dtype": jnp.float32, "param_dtype": jnp.float32, "rngs": rngs}
+      self.hidden, self.norm, self.out = nnx.Linear(32, 64, **kw), nnx.LayerNorm(64, **kw), nnx.Linear(64, 5, **kw)
+
+    def __call__(self, x):
+      return self.out(nnx.relu(self.norm(self.hidden(x))))
+
+  x, y = data()
+  graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+  check_model(lambda s, x, y: cross_entropy(nnx.merge(graphdef, s)(x), y), state, x, y)
+
+
+def test_equinox_mlp():
+  import warnings
+
+  with warnings.catch_warnings():  # equinox 0.13.0 touches a name that jax 0.7.1 deprecates, at import
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import equinox as eqx
+
+  mlp = eqx.nn.MLP(32, 5, 64, depth=2, key=jax.random.key(0))
+  params, static = eqx.partition(mlp, eqx.is_array)
+  check_model(lambda p, x, y: cross_entropy(jax.vmap(eqx.combine(p, static))(x), y), params, *data())
+
+
+def test_plain_jax_scan_over_layers_with_remat_and_a_custom_vjp_activation():
+  @jax.custom_vjp
+  def soft_clip(x):
+    return 4 * jnp.tanh(x / 4)
+
+  soft_clip.defvjp(lambda x: (soft_clip(x), x), lambda x, g: (g * (1 - jnp.tanh(x / 4) ** 2),))
+
+  def loss(params, x, y):
+    @jax.checkpoint
+    def layer(h, w):
+      return soft_clip(h @ w), None
+
+    h, _ = jax.lax.scan(layer, x, params["stack"])
+    return cross_entropy(h @ params["out"], y)
+
+  keys = jax.random.split(jax.random.key(0), 2)
+  params = {"stack": jax.random.normal(keys[0], (3, 32, 32)) / 6, "out": jax.random.normal(keys[1], (32, 5)) / 6}
+  check_model(loss, params, *data())
