@@ -11,6 +11,9 @@ whether the mean lies inside float32's seed spread (min..max over the seeds). Ro
                                             bfloat16 (fp8_ops has no convolution)
     --ablate: mixed_float8, every matmul    the "small" rule switched off (this script patches
                                             `jaxscale._float8._SMALL` to 0): measures the rule
+    --logits-wider (lm only)                mixed_float8 with the LM head (the one matmul with a
+                                            256-wide dimension) kept in bfloat16 (patched the same
+                                            way): measures whether the logits need it
 
     python benchmarks/float8_quality.py digits --seeds 0 1 2
     python benchmarks/float8_quality.py lm --seeds 0 1 2 -- --steps 200   # flags after -- go to the example
@@ -42,6 +45,20 @@ def every_matmul_in_float8():
 
 
 @contextlib.contextmanager
+def logits_in_bfloat16():
+  from jaxscale import _float8
+
+  from lm import VOCAB
+
+  rule = _float8.wider_reason
+  _float8.wider_reason = lambda p, params, lhs, rhs: "small" if VOCAB in rhs else rule(p, params, lhs, rhs)
+  try:
+    yield
+  finally:
+    _float8.wider_reason = rule
+
+
+@contextlib.contextmanager
 def flax_fp8_cnn():
   """digits.CNN with Flax fp8_ops in its Dense layers, computing in bfloat16."""
   import flax.linen as nn
@@ -69,7 +86,7 @@ def flax_fp8_cnn():
     digits.CNN = original
 
 
-def run(example: str, seed: int, extra: list[str], ablate: bool) -> dict[str, float]:
+def run(example: str, seed: int, extra: list[str], ablate: bool, logits_wider: bool) -> dict[str, float]:
   """Held-out loss of each row for one seed."""
   module = __import__(example)
   common = ["--seed", str(seed), "--no-plot", "--no-progress", *extra]
@@ -84,6 +101,10 @@ def run(example: str, seed: int, extra: list[str], ablate: bool) -> dict[str, fl
     with every_matmul_in_float8():
       (result,) = module.main([*common, "--precision=mixed_float8"])
     losses["mixed_float8, every matmul (ablation)"] = result.eval_metrics[-1]["loss"]
+  if logits_wider:
+    with logits_in_bfloat16():
+      (result,) = module.main([*common, "--precision=mixed_float8"])
+    losses["mixed_float8, logits in bfloat16 (ablation)"] = result.eval_metrics[-1]["loss"]
   return losses
 
 
@@ -109,13 +130,14 @@ def main(argv=None):
   parser.add_argument("example", choices=("digits", "lm"))
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--ablate", action="store_true", help="add mixed_float8 with every matmul in float8")
+  parser.add_argument("--logits-wider", action="store_true", help="lm: add mixed_float8 with the head in bfloat16")
   argv = sys.argv[1:] if argv is None else list(argv)
   extra = argv[argv.index("--") + 1 :] if "--" in argv else []
   args = parser.parse_args(argv[: len(argv) - len(extra) - bool(extra)])
   args.extra = extra
   per_seed = {}
   for seed in args.seeds:
-    per_seed[seed] = run(args.example, seed, args.extra, args.ablate)
+    per_seed[seed] = run(args.example, seed, args.extra, args.ablate, args.logits_wider)
     print(f"seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in per_seed[seed].items()), flush=True)
   print(f"\n{args.example} {' '.join(args.extra)}: held-out loss at the end of each run\n")
   print(table(per_seed))

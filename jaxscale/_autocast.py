@@ -159,6 +159,7 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
       return out_leaves, [jnp.asarray(after[i]) for i in found["written"]]
 
     arrays = [leaves[i] for i in dynamic]
+    _float8.warn_float8_arguments(arrays)
     closed = jax.make_jaxpr(traced)(*arrays)
     run = functools.partial(_call, closed, policy)
     if any(isinstance(x, Tracer) for x in (*arrays, *closed.consts)):

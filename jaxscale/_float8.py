@@ -134,20 +134,26 @@ def matmul(primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute
   `wider_reason` keeps wider runs in ``compute_dtype`` inside a ``jit`` named after the reason,
   so that `precision_report` can say why.
   """
-  float8 = [f"{x.dtype.name}{list(x.shape)}" for x in (lhs, rhs) if np.dtype(x.dtype).itemsize == 1]
-  if float8:
-    warnings.warn(
-        f"A float8 operand ({', '.join(float8)}) reached a `{primitive.name}` under a float8 policy: it is "
-        "quantized again, and if it is a parameter its gradient comes back in float8, too coarse to train "
-        "on. Store parameters in float32 (the policy's `param_dtype`); `mixed_float8` quantizes them in "
-        "each matmul.",
-        stacklevel=2,
-    )
   reason = wider_reason(primitive, params, lhs.shape, rhs.shape)
   if reason is not None:
     wide = functools.partial(_bind, primitive, dict(params, preferred_element_type=np.dtype(compute_dtype)))
     return _marked(wide, reason)(lhs.astype(compute_dtype), rhs.astype(compute_dtype))
   return _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype)(lhs, rhs)
+
+
+def warn_float8_arguments(arrays) -> None:
+  """The trace-time warning for float8 arrays among an autocast function's arguments."""
+  float8 = [f"{x.dtype.name}{list(x.shape)}" for x in arrays if np.dtype(x.dtype) in FLOAT8]
+  if float8:
+    warnings.warn(
+        f"`jaxscale.autocast` got float8 arrays among its arguments ({', '.join(float8[:3])}"
+        f"{', ...' if len(float8) > 3 else ''}). Parameters stored in float8 get float8 gradients, with 2 "
+        "or 3 mantissa bits and no scale: too coarse to train on. Store them in float32 (the policy's "
+        "`param_dtype`) and use the policy 'mixed_float8', which quantizes each matmul's operands with a "
+        "scale of their own. Float8 data that is not trained on is fine: cast it to bfloat16 before the "
+        "call to silence this warning.",
+        stacklevel=3,
+    )
 
 
 def warn_not_float8(name: str) -> None:
@@ -181,9 +187,11 @@ def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype):
   product = functools.partial(_bind, primitive, params)
 
   def conv_cotangents(qg, qa, qb):
-    wide = lambda x: x.astype(jnp.float32)  # exact: float8 values are float32 values
-    _, pullback = jax.vjp(product, wide(qa), wide(qb))
-    return pullback(wide(qg))
+    # Exact: float8 values are float32 values. Transposed one operand at a time: no forward pass.
+    g, a, b = (x.astype(jnp.float32) for x in (qg, qa, qb))
+    (da,) = jax.linear_transpose(lambda a: product(a, b), a)(g)
+    (db,) = jax.linear_transpose(lambda b: product(a, b), b)(g)
+    return da, db
 
   def forward(lhs, rhs):
     (qa, ka), (qb, kb) = quantize(lhs, FORWARD), quantize(rhs, FORWARD)

@@ -476,3 +476,93 @@ def test_plain_jax_scan_over_layers_with_remat_and_a_custom_vjp_activation():
   keys = jax.random.split(jax.random.key(0), 2)
   params = {"stack": jax.random.normal(keys[0], (3, 32, 32)) / 6, "out": jax.random.normal(keys[1], (32, 5)) / 6}
   check_model(loss, params, *data())
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def test_report_counts_float8_forward_and_backward_and_says_what_stayed_wider():
+  """Two layers by hand: x[32,32] @ w1[32,64] in float8, the 5-wide logits h @ w2[64,5] kept in
+  bfloat16 (5 < 16). A matmul of [m,k] by [k,n] is 2*m*k*n FLOPs; the backward has two per layer
+  (both operands' cotangents; `make_jaxpr` drops neither)."""
+
+  def loss(params, x):
+    h = jnp.tanh(x @ params["w1"])
+    return jnp.mean(jax.nn.logsumexp(h @ params["w2"], axis=-1))
+
+  params = {"w1": jnp.ones((32, 64)) / 32, "w2": jnp.ones((64, 5)) / 64}
+  x = jnp.asarray(normal((32, 32)))
+  cast = jaxscale.autocast(loss, "mixed_float8")
+  first, second = 2.0 * 32 * 32 * 64, 2.0 * 32 * 64 * 5
+  forward = jaxscale.precision_report(cast, params, x)
+  assert forward.matmul_flops == {"float8_e4m3fn": first, "bfloat16": second}
+  assert forward.kept_wider == {"small": second}
+  report = jaxscale.precision_report(jax.grad(cast), params, x)
+  assert report.matmul_flops == {"float8_e4m3fn": first, "float8_e5m2": 2 * first, "bfloat16": 3 * second}
+  assert report.kept_wider == {"small": 3 * second}
+  assert report.share("float8_e4m3fn") + report.share("float8_e5m2") == 3 * first / (3 * first + 3 * second)
+  text = str(report)
+  assert "float8_e5m2" in text and "float8: " in text
+  assert "(small): a contracted size or an output dimension below 16" in text
+
+
+def test_report_names_the_convolution_backward():
+  def loss(w, x):
+    return jnp.sum(jax.lax.conv(x, w, (1, 1), "SAME") ** 2)
+
+  w, x = jnp.asarray(normal((16, 16, 3, 3))), jnp.asarray(normal((2, 16, 8, 8), seed=1))
+  report = jaxscale.precision_report(jax.grad(jaxscale.autocast(loss, "mixed_float8")), w, x)
+  flops = 2.0 * 2 * 8 * 8 * 16 * 16 * 9  # output elements times 2 * (in features * window)
+  assert report.matmul_flops == {"float8_e4m3fn": flops, "float32": 2 * flops}
+  assert report.kept_wider == {"conv_backward": 2 * flops}
+  assert "`lax.conv_general_dilated` takes one dtype for both operands" in str(report)
+
+
+def test_integer_matmuls_are_left_as_they_are():
+  def f(a, b, w, x):
+    return (a @ b).astype(jnp.float32).sum() + (x @ w).sum()
+
+  a, b = jnp.ones((32, 32), jnp.int32), jnp.ones((32, 32), jnp.int32)
+  report = jaxscale.precision_report(jaxscale.autocast(f, "mixed_float8"), a, b, jnp.ones((32, 32)), jnp.ones((32, 32)))
+  assert report.matmul_flops == {"int32": 2.0 * 32**3, "float8_e4m3fn": 2.0 * 32**3}
+
+
+# --- misuse --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_bfloat16"])
+def test_a_float8_parameter_is_a_warning_that_says_to_store_float32(policy):
+  params, x = {"w": jnp.ones((32, 32), jnp.float8_e4m3fn), "b": jnp.ones(32)}, jnp.ones((32, 32))
+  loss = jaxscale.autocast(lambda p, x: jnp.sum(x @ p["w"].astype(jnp.float32) + p["b"]), policy)
+  with pytest.warns(UserWarning, match=r"got float8 arrays among its arguments \(float8_e4m3fn\[32, 32\]\)\. .*"
+                    r"Store them in float32 .* use the policy 'mixed_float8'") as record:
+    loss(params, x)
+  assert record[0].filename == __file__  # the warning points at the call, not into jaxscale
+  with pytest.warns(UserWarning, match="got float8 arrays"):
+    assert jax.grad(loss)(params, x)["w"].dtype == E4M3  # what the warning is about
+
+
+def test_a_matmul_primitive_float8_does_not_reach_is_a_warning_that_says_what_to_do():
+  x, w, sizes = jnp.ones((32, 32)), jnp.ones((2, 32, 32)), jnp.array([16, 16], jnp.int32)
+  ragged = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
+  with pytest.warns(UserWarning, match="met `ragged_dot_general`, a matmul it does not run in float8.*'mixed_bfloat16'"):
+    out = jaxscale.autocast(ragged, "mixed_float8")(x, w)
+  np.testing.assert_array_equal(out, ragged(x, w))  # as the program gave it: float32
+
+
+def test_loss_scaling_on_changes_nothing_bit_for_bit():
+  """With "mixed_float8", `needs_loss_scaling` is False; a scaler left on anyway is harmless: a
+  power-of-two loss scale shifts every e5m2 scale by its exponent, so the float8 codes, and after
+  exact unscaling the gradients, are the same bits as without it."""
+  def loss(params, x):
+    h = jax.nn.gelu(x @ params["w1"])
+    return jnp.mean(jax.nn.logsumexp(h @ params["w2"], axis=-1))
+
+  params = {"w1": jnp.asarray(normal((32, 64), scale=0.2)), "w2": jnp.asarray(normal((64, 32), seed=1, scale=0.2))}
+  x = jnp.asarray(normal((32, 32), seed=2))
+  grad = jax.jit(jaxscale.value_and_grad(jaxscale.autocast(loss, "mixed_float8")))
+  on, off = jaxscale.init(init_scale=2.0**16), jaxscale.init(enabled=jaxscale.needs_loss_scaling("mixed_float8"))
+  (_, grads_on, finite), (_, grads_off, _) = grad(on, params, x), grad(off, params, x)
+  assert bool(finite)
+  for a, b in zip(jax.tree.leaves(grads_on), jax.tree.leaves(grads_off)):
+    np.testing.assert_array_equal(a, b)
