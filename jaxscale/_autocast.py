@@ -16,13 +16,14 @@ are stored, each operation casts what it needs, and since a cast's transpose cas
 gradients arrive in the parameters' dtypes. JAX differentiates, vmaps and jits the operations
 the interpreter emits like any others; the interpreter itself runs at trace time only.
 
-Higher-order primitives are handled by what they are: ``jit`` is inlined (its operations are
-autocast like the caller's); ``scan``, ``while``, ``cond`` and ``checkpoint`` are rebuilt with
-``jax.lax.scan`` / ``while_loop`` / ``switch`` / ``jax.checkpoint`` around autocast bodies;
-``custom_jvp`` / ``custom_vjp`` functions autocast their primal body while their derivative
-rules run as written, in the dtypes of the program. A nested ``autocast`` region is marked by a
-``jit`` named ``jaxscale_autocast`` and kept as its own policy made it. Any other primitive that
-holds a sub-program with something to autocast in it is refused by name.
+Higher-order primitives: a call (``jit``, ``closed_call``) is inlined, its operations autocast
+like the caller's, its float16 values flowing on; a ``checkpoint`` is rebuilt around its body
+autocast at the dtypes that arrive; a ``custom_jvp`` / ``custom_vjp`` function is made again
+with its primal body and its derivative rules autocast (``_custom_jvp``, ``_custom_vjp``). Any
+other (``scan``, ``while``, ``cond``, ``shard_map``, ``custom_linear_solve``, one JAX adds
+tomorrow) is rebuilt by one generic rule (``_interpret.rebind``): each sub-program autocast
+with its signature kept, every other parameter untouched. A nested ``autocast`` region is a
+``jit`` named ``jaxscale_autocast`` and kept as its own policy made it.
 """
 
 from __future__ import annotations
@@ -36,10 +37,8 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
-from jax.extend import core
 
-from jaxscale import _float8, _policy, _tree
+from jaxscale import _float8, _interpret, _policy, _tree
 
 F = TypeVar("F", bound=Callable)
 
@@ -70,9 +69,15 @@ _FOLLOW_PRIMITIVES = frozenset({
     "lt", "le", "gt", "ge", "is_finite", "sharding_constraint", "reduce_precision",
 })  # fmt: skip
 
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+# Primitives whose every output is its input, each operand in its own dtype.
+_PASS_PRIMITIVES = frozenset({"stop_gradient", "name", "optimization_barrier", "device_put", "pvary"})
+
+# Higher-order primitives treated by what they are (any other is rebuilt by the generic rule of
+# `_interpret.rebind`): calls are inlined, checkpoints and custom derivatives let dtypes flow.
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_jaxpr"})
 _CHECKPOINTS = frozenset({"checkpoint", "remat", "remat2"})
-_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_CUSTOM_JVP = frozenset({"custom_jvp_call"})
+_CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 MARKER = "jaxscale_autocast"  # the name of the `jit` around a nested region
 
 
@@ -133,167 +138,268 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
   # pytree (`Partial` for a method) its arrays are traced like the arguments'.
   callee = jax.tree_util.Partial(fun.__func__, fun.__self__) if inspect.ismethod(fun) else fun
 
-  @functools.wraps(fun)
-  def wrapped(*args, **kwargs):
-    tree = (callee, args, kwargs)
-    leaves, treedef = jax.tree.flatten(tree)
-    dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray, np.generic))]
-    variables = _nnx_variables(tree)
+  def region(static, arrays):
+    treedef, statics = static
+    dynamic_at = [i for i, leaf in enumerate(statics) if leaf is _DYNAMIC]
+    leaves = [None if leaf is _DYNAMIC else leaf.value for leaf in statics]
+    for i, x in zip(dynamic_at, arrays):
+      leaves[i] = x
+    variables = _nnx_variables(jax.tree.unflatten(treedef, leaves))
     found = {}
 
     def traced(*arrays):
       run_leaves = list(leaves)
-      for i, x in zip(dynamic, arrays):
+      for i, x in zip(dynamic_at, arrays):
         run_leaves[i] = x
       run_callee, run_args, run_kwargs = jax.tree.unflatten(treedef, run_leaves)
       out = run_callee(*run_args, **run_kwargs)
-      after = jax.tree.leaves((run_callee, run_args, run_kwargs))
-      if len(after) != len(leaves):
-        raise ValueError(
-            "`autocast`'s `fun` changed the structure of its arguments (an NNX module gained or lost "
-            "a Variable); create Variables outside the autocast region."
-        )
-      # What `fun` assigned to an NNX Variable (batch statistics, an RNG count) goes back to it.
-      found["written"] = [i for i in variables if after[i] is not run_leaves[i]]
+      written = {}
+      if variables:  # what `fun` assigned to an NNX Variable (batch statistics, an RNG count)
+        after = jax.tree.leaves((run_callee, run_args, run_kwargs))
+        if len(after) != len(leaves):
+          raise ValueError(
+              "`autocast`'s `fun` changed the structure of its arguments (an NNX module gained or lost "
+              "a Variable); create Variables outside the autocast region."
+          )
+        written = {i: jnp.asarray(after[i]) for i in variables if after[i] is not run_leaves[i]}
       out_leaves, found["out_tree"] = jax.tree.flatten(out)
-      return out_leaves, [jnp.asarray(after[i]) for i in found["written"]]
+      found["written"] = sorted(written)
+      return out_leaves, [written[i] for i in found["written"]]
 
-    arrays = [leaves[i] for i in dynamic]
-    _float8.warn_float8_arguments(arrays)
     closed = jax.make_jaxpr(traced)(*arrays)
-    run = functools.partial(_call, closed, policy)
-    if any(isinstance(x, Tracer) for x in (*arrays, *closed.consts)):
-      # Under a trace, the region goes into a `jit` named as the marker: an enclosing autocast
-      # sees it and leaves it as this policy made it. (Run eagerly, no enclosing one can exist.)
-      run = jax.jit(_named(run))
-    outs = run(*arrays)
-    out_leaves, written = outs[: len(outs) - len(found["written"])], outs[len(outs) - len(found["written"]) :]
-    for i, value in zip(found["written"], written):
+    outs = evaluate(closed.jaxpr, closed.consts, arrays, policy)
+    split = len(outs) - len(found["written"])
+    out = jax.tree.unflatten(found["out_tree"], outs[:split])
+    return policy.cast_to_output(out), dict(zip(found["written"], outs[split:]))
+
+  # One `jit` per autocast function, named as the marker: an enclosing autocast sees it and
+  # leaves it as this policy made it, and its trace (and, eagerly, its compilation) is cached
+  # by jit for every call with the same types, under `grad` and `vmap` too.
+  region.__name__ = region.__qualname__ = MARKER
+  jitted = jax.jit(region, static_argnums=0)
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    tree = (callee, args, kwargs)
+    leaves, treedef = jax.tree.flatten(tree)
+    is_array = lambda leaf: isinstance(leaf, (jax.Array, np.ndarray, np.generic))  # noqa: E731
+    statics = tuple(_DYNAMIC if is_array(leaf) else _Static(leaf) for leaf in leaves)
+    arrays = [leaf for leaf in leaves if is_array(leaf)]
+    _float8.warn_float8_arguments(arrays)
+    out, written = jitted((treedef, statics), arrays)
+    variables = _nnx_variables(tree)
+    for i, value in written.items():
       variable = variables[i]
       old = _tree.unwrap_variable(variable)
       _set(variable, value.astype(old.dtype) if _policy.is_floating_array(old) else value)
-    return policy.cast_to_output(jax.tree.unflatten(found["out_tree"], out_leaves))
+    return out
 
   return wrapped  # type: ignore[return-value]
 
 
-def _named(fn):
-  def region(*arrays):
-    return fn(*arrays)
-
-  region.__name__ = region.__qualname__ = MARKER
-  return region
+_DYNAMIC = None  # in `wrapped`'s static description of its arguments: an array, passed to the jit
 
 
-def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], policy: _policy.Policy) -> list:
-  """The outputs of ``jaxpr`` on ``args``, autocast; in the dtypes the jaxpr declares."""
+class _Static:
+  """A leaf that is not an array, as part of the jit's static argument: equal by type and value
+  (1 and 1.0 trace differently), or by identity when it cannot be hashed."""
+
+  __slots__ = ("value", "_key")
+
+  def __init__(self, value):
+    self.value = value  # held, so that an identity in a key is never reused while it is cached
+    try:
+      hash(value)
+      self._key = (type(value), "value", value)
+    except TypeError:
+      self._key = (type(value), "identity", id(value))
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __eq__(self, other):
+    return isinstance(other, _Static) and self._key == other._key
+
+
+def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], policy: _policy.Policy, *, keep_signature: bool = True) -> list:
+  """The outputs of ``jaxpr`` on ``args``, autocast.
+
+  With ``keep_signature``, floating outputs come back in the dtypes the jaxpr declares (what a
+  loop body, a branch or ``fun`` itself must return); without, in whatever dtypes they were
+  computed in (an inlined ``jit``'s float16 activations stay float16).
+  """
   env: dict = {}
   for var, value in zip(jaxpr.constvars, consts):
     env[var] = value
   for var, value in zip(jaxpr.invars, args):
     env[var] = value
-  read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
+  read = lambda v: v.val if _interpret.is_literal(v) else env[v]
   for eqn in jaxpr.eqns:
     outs = _eqn(eqn, [read(v) for v in eqn.invars], policy)
     for var, value in zip(eqn.outvars, outs):
       env[var] = value  # a DropVar too: never read
-  return [_cast(read(v), v.aval) for v in jaxpr.outvars]
+  outs = [read(v) for v in jaxpr.outvars]
+  return [_cast(x, v.aval) for x, v in zip(outs, jaxpr.outvars)] if keep_signature else outs
+
+
+def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
+  """The rule of a ``dot_general`` / ``conv_general_dilated`` with floating operands.
+
+  Operands in the compute dtype, products accumulated as the backend does for it and returned
+  in it. The one place that decides how a matmul runs (a float8 policy replaces this).
+  """
+  compute = policy.compute_dtype
+  if policy.matmul_dtype is not None:
+    return [_float8.matmul(eqn.primitive, eqn.params, *ins, compute)]
+  return _interpret.bind(eqn, [_to(x, compute) for x in ins], dict(eqn.params, preferred_element_type=compute))
 
 
 def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
   name = eqn.primitive.name
   avals = [v.aval for v in eqn.invars]
   if name in COMPUTE_PRIMITIVES and all(_floating(a) for a in avals):
-    compute = policy.compute_dtype
-    if policy.matmul_dtype is not None:
-      return [_float8.matmul(eqn.primitive, eqn.params, *ins, compute)]
-    ins = [_to(x, compute) for x in ins]
-    return _bind(eqn, ins, dict(eqn.params, preferred_element_type=compute))
+    return matmul(eqn, ins, policy)
   if name in FLOAT32_PRIMITIVES:
-    return _bind(eqn, [_to(x, _widen(x)) if _floating(a) else x for x, a in zip(ins, avals)])
+    return _interpret.bind(eqn, [_to(x, _widen(x)) if _floating(a) else x for x, a in zip(ins, avals)])
   if name in _FOLLOW_PRIMITIVES:
-    return _bind(eqn, _promote(eqn, ins))
+    return _interpret.bind(eqn, _promote(eqn, ins))
+  if name in _PASS_PRIMITIVES:
+    return _interpret.bind(eqn, ins)
+  programs = _interpret.subprograms(eqn.params)
+  flowing = lambda jaxpr, consts, args: evaluate(jaxpr, consts, args, policy, keep_signature=False)  # noqa: E731
+  if name in _CALLS and len(programs) == 1 and eqn.params.get("name") != MARKER:
+    (jaxpr, consts), = programs
+    return flowing(jaxpr, consts, ins)  # inlined: its operations are the caller's
+  if name in _CUSTOM_JVP and len(programs) == 1 and any(map(_floating, avals)):
+    return _custom_jvp(eqn, ins, programs[0], policy)
+  if name in _CUSTOM_VJP and len(programs) == 1 and any(map(_floating, avals)):
+    return _custom_vjp(eqn, ins, programs[0], policy)
+  if name in _CHECKPOINTS and len(programs) == 1:
+    return _interpret.rebind(eqn, ins, flowing, in_dtypes=[_dtype(x) for x in ins])
   ins = [_cast(x, a) for x, a in zip(ins, avals)]  # as the program gave them
   if policy.matmul_dtype is not None and name in _float8.OTHER_MATMULS:
     _float8.warn_not_float8(name)
-  if name in _CALLS:
-    if eqn.params.get("name") == MARKER:  # a nested autocast region: as its own policy made it
-      return _bind(eqn, ins)
-    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    return evaluate(inner.jaxpr, inner.consts, ins, policy)
-  sub = _subjaxprs(eqn.params)
-  if not any(_has_work(j) for j in sub):
-    return _bind(eqn, ins)
-  if name == "scan":
-    return _scan(eqn, ins, policy)
-  if name == "while":
-    return _while(eqn, ins, policy)
-  if name == "cond":
-    branches = [functools.partial(_call, b, policy) for b in eqn.params["branches"]]
-    return list(jax.lax.switch(ins[0], branches, *ins[1:]))
-  if name in _CHECKPOINTS:
-    body = functools.partial(evaluate, eqn.params["jaxpr"], (), policy=policy)
-    remat = jax.checkpoint(lambda *a: body(a), prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
-    return list(remat(*ins))
-  if name in _CUSTOM and "call_jaxpr" in eqn.params:
-    body = eqn.params["call_jaxpr"]
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in body.in_avals]
-    new_body = jax.make_jaxpr(functools.partial(_call, body, policy))(*shapes)
-    return _bind(eqn, ins, dict(eqn.params, call_jaxpr=new_body))
-  raise NotImplementedError(
-      f"`jaxscale.autocast` does not know the higher-order primitive `{name}`, and it holds a "
-      "matmul, a convolution or an operation of the float32 list. Apply `autocast` inside it "
-      "instead (to the function you give it), or open an issue naming the primitive."
-  )
+  if name in _CALLS or not any(_has_work(j) for j, _ in programs):
+    return _interpret.bind(eqn, ins)  # a nested autocast region stays as its own policy made it
+  return _interpret.rebind(eqn, ins, lambda jaxpr, consts, args: evaluate(jaxpr, consts, args, policy))
 
 
-def _call(closed, policy, *args):
-  return evaluate(closed.jaxpr, closed.consts, args, policy)
+def _custom_jvp(eqn, ins, program, policy):
+  """A ``custom_jvp`` function again, its primal body and its JVP rule both autocast.
+
+  The rule is JAX's own derivative of the original primitive (which runs the user's rule),
+  traced into a jaxpr and autocast like the body; both take their inputs in the dtypes they
+  arrive in, so a float16 activation stays float16 through ``relu``.
+  """
+  jaxpr, consts = program
+  avals = [v.aval for v in eqn.invars]
+  primal = lambda *args: evaluate(jaxpr, consts, args, policy, keep_signature=False)  # noqa: E731
+  out_types = jax.eval_shape(primal, *ins)
+  original = lambda *args: _interpret.bind(eqn, [_cast(x, a) for x, a in zip(args, avals)])  # noqa: E731
+
+  def rule(primals, tangents):
+    float_at = [i for i, a in enumerate(avals) if _floating(a)]
+
+    def jvp(primals, float_tangents):
+      tangents = [np.zeros(a.shape, jax.dtypes.float0) for a in avals]
+      for i, t in zip(float_at, float_tangents):
+        tangents[i] = t
+      return jax.jvp(original, list(primals), tangents)
+
+    closed = jax.make_jaxpr(jvp)(_shapes(avals), [_shapes(avals)[i] for i in float_at])
+    outs = evaluate(closed.jaxpr, closed.consts, [*primals, *(tangents[i] for i in float_at)], policy, keep_signature=False)
+    y, y_dot = outs[: len(out_types)], outs[len(out_types) :]
+    return _like(y, out_types), _like(y_dot, out_types)
+
+  fn = jax.custom_jvp(primal)
+  fn.defjvp(rule)
+  return list(fn(*ins))
 
 
-def _scan(eqn, ins, policy):
-  p = eqn.params
-  consts, init, xs = ins[: p["num_consts"]], ins[p["num_consts"] : p["num_consts"] + p["num_carry"]], ins[p["num_consts"] + p["num_carry"] :]
+def _custom_vjp(eqn, ins, program, policy):
+  """A ``custom_vjp`` function again, its primal body, forward and backward rules autocast.
 
-  def body(carry, x):
-    outs = _call(p["jaxpr"], policy, *consts, *carry, *x)
-    return outs[: p["num_carry"]], outs[p["num_carry"] :]
+  The forward rule is JAX's VJP of the original primitive (which runs the user's ``fwd``),
+  traced into a jaxpr whose outputs are the primal outputs and the residuals; the backward
+  rule applies that VJP's pullback (which runs the user's ``bwd``). Both are autocast, and
+  the residuals are saved in the dtypes they are computed in.
+  """
+  jaxpr, consts = program
+  avals = [v.aval for v in eqn.invars]
+  primal = lambda *args: evaluate(jaxpr, consts, args, policy, keep_signature=False)  # noqa: E731
+  out_types = jax.eval_shape(primal, *ins)
+  original = lambda *args: _interpret.bind(eqn, [_cast(x, a) for x, a in zip(args, avals)])  # noqa: E731
+  found = {}
 
-  extra = {"_split_transpose": True} if p.get("_split_transpose") else {}
-  carry, ys = jax.lax.scan(body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"], **extra)
-  return [*carry, *ys]
+  def forward(*args):
+    y, pullback = jax.vjp(original, *args)
+    residuals, found["pullback"] = jax.tree.flatten(pullback)
+    return [*y, *residuals]
+
+  fwd_jaxpr = jax.make_jaxpr(forward)(*_shapes(avals))
+  res_avals = [v.aval for v in fwd_jaxpr.jaxpr.outvars[len(out_types) :]]
+  float_out = [i for i, t in enumerate(out_types) if _floating(t)]
+
+  def fwd(*args):
+    outs = evaluate(fwd_jaxpr.jaxpr, fwd_jaxpr.consts, args, policy, keep_signature=False)
+    return _like(outs[: len(out_types)], out_types), outs[len(out_types) :]
+
+  def bwd(residuals, cotangents):
+    def backward(residuals, float_cotangents):
+      cts = [np.zeros(a.shape, jax.dtypes.float0) for a in out_avals]
+      for i, ct in zip(float_out, float_cotangents):
+        cts[i] = ct
+      grads = jax.tree.unflatten(found["pullback"], residuals)(cts)
+      return [g for g, a in zip(grads, avals) if _floating(a)]
+
+    out_avals = [v.aval for v in eqn.outvars]
+    closed = jax.make_jaxpr(backward)(_shapes(res_avals), [_shapes(out_avals)[i] for i in float_out])
+    grads = iter(evaluate(closed.jaxpr, closed.consts, [*residuals, *(cotangents[i] for i in float_out)], policy, keep_signature=False))
+    return tuple(_to(next(grads), _dtype(x)) if _floating(a) else None for x, a in zip(ins, avals))
+
+  fn = jax.custom_vjp(primal)
+  fn.defvjp(fwd, bwd)
+  return list(fn(*ins))
 
 
-def _while(eqn, ins, policy):
-  p = eqn.params
-  cond_consts, body_consts = ins[: p["cond_nconsts"]], ins[p["cond_nconsts"] : p["cond_nconsts"] + p["body_nconsts"]]
-  init = ins[p["cond_nconsts"] + p["body_nconsts"] :]
-  return list(
-      jax.lax.while_loop(
-          lambda c: _call(p["cond_jaxpr"], policy, *cond_consts, *c)[0],
-          lambda c: _call(p["body_jaxpr"], policy, *body_consts, *c),
-          init,
-      )
-  )
+def _shapes(avals):
+  return [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals]
 
 
-def _bind(eqn, ins, params=None) -> list:
-  # `get_bind_params` returns `(subfuns, params)` on jax < 0.8, `params` after.
-  bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-  subfuns, bind_params = bound if isinstance(bound, tuple) else ((), bound)
-  out = eqn.primitive.bind(*subfuns, *ins, **bind_params)
-  return list(out) if eqn.primitive.multiple_results else [out]
+def _like(values, types):
+  return [_to(x, t.dtype) if _floating(t) else x for x, t in zip(values, types)]
+
+
+def _dtype(x):
+  dtype = getattr(x, "dtype", None)
+  return dtype if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(jnp.result_type(x))
 
 
 def _promote(eqn, ins):
-  """The floating inputs in one dtype: the widest of the strongly typed ones (torch's rule)."""
+  """The floating inputs in one dtype: the widest of the strongly typed ones (torch's rule).
+
+  A Python float (a weak-typed literal) follows the others unless that dtype cannot hold it:
+  ``y / 70000.0`` with ``y`` in float16 runs in the program's dtype, since 70000.0 is inf in
+  float16 (and 1e-6, below float16's normal range, would keep 4 bits of its 11).
+  """
   floating = [(x, v) for x, v in zip(ins, eqn.invars) if _floating(v.aval)]
-  strong = [np.dtype(jnp.result_type(x)) for x, v in floating if not (isinstance(v, core.Literal) or v.aval.weak_type)]
-  dtypes = strong or [np.dtype(jnp.result_type(x)) for x, _ in floating]
+  strong = [_dtype(x) for x, v in floating if not (_interpret.is_literal(v) or v.aval.weak_type)]
+  dtypes = strong or [_dtype(x) for x, _ in floating]
   if not dtypes:
     return ins
   common = functools.reduce(jnp.promote_types, dtypes)
+  for x, v in floating:
+    if _interpret.is_literal(v) and not _holds(common, x):
+      common = jnp.promote_types(common, v.aval.dtype)
   return [_to(x, common) if _floating(v.aval) else x for x, v in zip(ins, eqn.invars)]
+
+
+def _holds(dtype, value) -> bool:
+  """Whether ``dtype`` holds the constant ``value`` in its normal range (or as 0, inf, NaN)."""
+  magnitude = np.abs(np.asarray(value, np.float64))
+  info = jnp.finfo(dtype)
+  ok = ~np.isfinite(magnitude) | (magnitude == 0) | ((magnitude >= float(info.tiny)) & (magnitude <= float(info.max)))
+  return bool(np.all(ok))
 
 
 def _widen(x):
@@ -312,21 +418,7 @@ def _cast(x, aval):
   return _to(x, aval.dtype) if _floating(aval) else x
 
 
-def _floating(aval) -> bool:
-  dtype = getattr(aval, "dtype", None)
-  return dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.extended) and jnp.issubdtype(dtype, jnp.floating)
-
-
-def _subjaxprs(params) -> list:
-  """The jaxprs among a primitive's parameters (``ClosedJaxpr`` ones as they are, open ones closed)."""
-  found = []
-  for value in params.values():
-    for item in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(item, core.ClosedJaxpr):
-        found.append(item.jaxpr)
-      elif isinstance(item, core.Jaxpr):
-        found.append(item)
-  return found
+_floating = _interpret.floating
 
 
 def _has_work(jaxpr) -> bool:
@@ -335,7 +427,7 @@ def _has_work(jaxpr) -> bool:
     name = eqn.primitive.name
     if name in COMPUTE_PRIMITIVES or name in FLOAT32_PRIMITIVES:
       return True
-    if any(_has_work(j) for j in _subjaxprs(eqn.params)):
+    if any(_has_work(j) for j in _interpret.subjaxprs(eqn.params)):
       return True
   return False
 

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale import _autocast, _float8
+from jaxscale import _autocast, _float8, _interpret
 
 _SIXTEEN_BITS = ("float16", "bfloat16")
 
@@ -145,10 +145,10 @@ def _count(jaxpr) -> tuple[dict[str, float], Counter, int, Counter]:
       key = _float8.BACKWARD.name if _float8.BACKWARD.name in (lhs, rhs) else lhs if lhs == rhs else f"{lhs}*{rhs}"
       flops[key] += _flops(eqn)
     elif name in _autocast.FLOAT32_PRIMITIVES and any(
-        _autocast._floating(a) and np.dtype(a.dtype).itemsize < 4 for a in avals
+        _interpret.floating(a) and np.dtype(a.dtype).itemsize < 4 for a in avals
     ):
       ops[name] += 1
-    subs = [_count(j) for j in _autocast._subjaxprs(eqn.params)]
+    subs = [_count(j) for j in _interpret.subjaxprs(eqn.params)]
     if not subs:
       continue
     if name == "cond":  # one branch runs: the costliest

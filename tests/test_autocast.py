@@ -484,22 +484,46 @@ def test_nnx_batchnorm_statistics_stay_float32_under_autocast():
   np.testing.assert_allclose(plain.var[...], 1.02, atol=1e-4)
 
 
-def test_an_unknown_higher_order_primitive_is_refused_by_name():
-  """One that holds a matmul is an error naming it; one with nothing to autocast inside runs as it is."""
+def make_call_primitive(name, check=None):
+  """A higher-order primitive jaxscale has never seen: its parameter `body` is a closed jaxpr
+  (`check`, given, refuses some bodies in its abstract evaluation, as a primitive tied to a
+  sub-program's form would)."""
   from jax.extend import core
 
-  my_call = core.Primitive("my_call")
-  my_call.multiple_results = True
-  my_call.def_impl(lambda *args, body: core.jaxpr_as_fun(body)(*args))
-  my_call.def_abstract_eval(lambda *avals, body: body.out_avals)
+  prim = core.Primitive(name)
+  prim.multiple_results = True
+  prim.def_impl(lambda *args, body, tag: core.jaxpr_as_fun(body)(*args))
+
+  def abstract(*avals, body, tag):
+    if check is not None:
+      check(body)
+    return body.out_avals
+
+  prim.def_abstract_eval(abstract)
+  return lambda inner: lambda x: prim.bind(x, body=jax.make_jaxpr(inner)(x), tag="kept")[0]
+
+
+def test_an_unknown_higher_order_primitive_is_autocast_by_the_generic_rule():
+  """Its body is autocast with its signature kept, every other parameter passes as it was."""
+  calling = make_call_primitive("my_call")
   x = jnp.ones((2, 2))
+  jaxpr = jax.make_jaxpr(jaxscale.autocast(calling(lambda x: jnp.exp(x @ x)), "mixed_float16"))(x).jaxpr
+  (eqn,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "my_call"]
+  assert eqn.params["tag"] == "kept" and eqn.params["body"].in_avals == eqn.params["body"].out_avals
+  assert [floating_operand_dtypes(e) for e in all_eqns(jaxpr) if e.primitive.name in ("dot_general", "exp")] == [[F16, F16], [F32]]
 
-  def calling(inner):
-    return lambda x: my_call.bind(x, body=jax.make_jaxpr(inner)(x))[0]
 
-  with pytest.raises(NotImplementedError, match="`my_call`"):
-    jaxscale.autocast(calling(lambda x: x @ x), "mixed_float16")(x)
-  np.testing.assert_array_equal(jaxscale.autocast(calling(lambda x: x + 1), "mixed_float16")(x), x + 1)
+def test_a_primitive_that_cannot_be_rebuilt_is_an_error_naming_it_and_the_jax_version():
+  def only_float32_bodies(body):
+    if any(e.primitive.name == "dot_general" and e.invars[0].aval.dtype != F32 for e in body.jaxpr.eqns):
+      raise TypeError("my_strict_call takes float32 matmuls only")
+
+  calling = make_call_primitive("my_strict_call", only_float32_bodies)
+  x = jnp.ones((2, 2))
+  message = f"`jaxscale` cannot rebuild the higher-order primitive `my_strict_call` on jax {jax.__version__}"
+  with pytest.raises(NotImplementedError, match=message):
+    jax.make_jaxpr(jaxscale.autocast(calling(lambda x: x @ x), "mixed_float16"))(x)
+  jax.make_jaxpr(jaxscale.autocast(calling(lambda x: x + 1), "mixed_float16"))(x)  # nothing to rebuild
 
 
 def test_vmap_jvp_and_hessian_of_an_autocast_function():
