@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale import _tree
+
 FORWARD = np.dtype(jnp.float8_e4m3fn)  # the operands of the forward product
 BACKWARD = np.dtype(jnp.float8_e5m2)  # the gradient flowing back into it
 FLOAT8 = (FORWARD, BACKWARD)
@@ -143,7 +145,7 @@ def matmul(primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute
 
 def warn_float8_arguments(arrays) -> None:
   """The trace-time warning for float8 arrays among an autocast function's arguments."""
-  float8 = [f"{x.dtype.name}{list(x.shape)}" for x in arrays if np.dtype(x.dtype) in FLOAT8]
+  float8 = [f"{x.dtype.name}{list(x.shape)}" for x in arrays if _tree.is_floating(x, real=True) and x.dtype.itemsize == 1]
   if float8:
     warnings.warn(
         f"`jaxscale.autocast` got float8 arrays among its arguments ({', '.join(float8[:3])}"
