@@ -51,8 +51,8 @@ FLOAT8 = (FORWARD, BACKWARD)
 WIDER = "jaxscale_float8_wider_"
 REASONS = {
     "small": (
-        "a contracted size or an output dimension below 16: too small for a float8 GEMM to "
-        "gain (Transformer Engine needs multiples of 16), and all of its inputs' precision is lost"
+        "a contracted size or an output dimension below 16: float8 tensor cores work in tiles of "
+        "16, so float8 would cost this matmul its precision and gain it no speed"
     ),
     "conv_backward": (
         "a convolution's backward product: `lax.conv_general_dilated` takes one dtype for both "
