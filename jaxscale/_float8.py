@@ -95,7 +95,21 @@ def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
   wide = jnp.promote_types(x.dtype, jnp.float32)
   x = x.astype(wide)
   k = scale_exponent(jnp.max(jnp.abs(x)) if x.size else jnp.zeros((), wide), dtype)
-  return (x * power_of_two(k).astype(wide)).astype(dtype), k
+  return nearest(x * power_of_two(k).astype(wide), dtype).astype(dtype), k
+
+
+def nearest(y: jax.Array, dtype: Any) -> jax.Array:
+  """``y`` rounded to the nearest value of the float8 ``dtype`` (ties to even), in ``y``'s own dtype.
+
+  The cast that follows is then exact, whichever way the backend casts. Cast alone, XLA:CPU (jax
+  0.7.1) goes from float32 to float8 through float16 and rounds twice: 75.99976 becomes 76, a tie,
+  then 80, where the nearest e4m3 value is 72. Here each value is divided by the spacing of the
+  format at its magnitude (a power of two: exact), rounded to an integer, and multiplied back.
+  """
+  info = jnp.finfo(dtype)
+  _, exponent = jnp.frexp(y)  # |y| in [2**(exponent - 1), 2**exponent)
+  spacing = jnp.maximum(exponent - 1, info.minexp) - info.nmant  # subnormals share the smallest
+  return jnp.round(y / power_of_two(spacing).astype(y.dtype)) * power_of_two(spacing).astype(y.dtype)
 
 
 def unscale(acc: jax.Array, k: jax.Array) -> jax.Array:

@@ -566,3 +566,14 @@ def test_loss_scaling_on_changes_nothing_bit_for_bit():
   assert bool(finite)
   for a, b in zip(jax.tree.leaves(grads_on), jax.tree.leaves(grads_off)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_nearest_is_ml_dtypes_rounding_where_a_cast_alone_rounds_twice():
+  """75.99976 (float32) is nearest to 72 in e4m3; through float16 it becomes 76, a tie, then 80 (what
+  XLA:CPU of jax 0.7.1 does for a cast alone). Rounded by `nearest`, every backend's cast is exact."""
+  x = np.array([np.nextafter(np.float32(76), np.float32(0)), 76.0, 75.0, -0.0, 2.0**-10, 3 * 2.0**-11], np.float32)
+  ref = x.astype(E4M3)
+  np.testing.assert_array_equal(np.asarray(_float8.nearest(jnp.asarray(x), E4M3), np.float32), ref.astype(np.float32))
+  q, k = _float8.quantize(jnp.asarray(x), E4M3)  # eagerly: the cast runs alone
+  assert int(k) == 2
+  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.ldexp(x.astype(np.float64), 2).astype(E4M3).view(np.uint8))
