@@ -62,7 +62,30 @@ def plain(opt):
 
 
 def jaxscale_wrapper(opt):
-  return optax_variant(jaxscale.dynamic_loss_scaling(OPTIMIZERS[opt](), init_scale=SCALE))
+  """The optimizer step given scaled gradients: the gradient site's unscale and check
+  (`jaxscale.unscale_and_check`, what `jaxscale.value_and_grad` does after its grad), then the
+  wrapper's update on the true gradients, which checks them again and ANDs the flag."""
+  tx = jaxscale.dynamic_loss_scaling(OPTIMIZERS[opt](), init_scale=SCALE)
+
+  def step(params, state, grads):
+    grads, finite = jaxscale.unscale_and_check(jaxscale.find_scaler(state), grads)
+    updates, state = tx.update(grads, state, params, finite=finite)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, step
+
+
+def jaxscale_train_step(opt, loss_fn):
+  """jaxscale's whole training step, as its README writes it: `jaxscale.value_and_grad`, then
+  the wrapper's update with the flag."""
+  tx = jaxscale.dynamic_loss_scaling(OPTIMIZERS[opt](), init_scale=SCALE)
+
+  def step(params, state, *batch):
+    _, grads, finite = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(state), params, *batch)
+    updates, state = tx.update(grads, state, params, finite=finite)
+    return optax.apply_updates(params, updates), state
+
+  return step
 
 
 def jmp_apply_if_finite(opt):
@@ -139,18 +162,17 @@ def mpx_optimizer_update(opt):
   return init, step
 
 
-def mpx_lm_train_step(opt, *, heads):
-  """mpx's whole LM step: `mpx.filter_value_and_grad` (which casts the parameters to float16 and
-  scales, differentiates, checks, adjusts and unscales), then `mpx.optimizer_update`."""
+def mpx_train_step(opt, loss_fn):
+  """mpx's whole training step: `mpx.filter_value_and_grad` (which casts the parameters to
+  float16 and scales, differentiates, checks, adjusts and unscales), then `mpx.optimizer_update`."""
   import mpx
 
   inner = OPTIMIZERS[opt]()
 
-  def step(params, state, tokens):
+  def step(params, state, *batch):
     (scale, counter), opt_state = state
     scaling = mpx.DynamicLossScaling(scale, jnp.float32(1.0), counter=counter)
-    loss_fn = lambda p: lm_loss(p, tokens, heads=heads)
-    _, scaling, finite, grads = mpx.filter_value_and_grad(loss_fn, scaling)(params)
+    _, scaling, finite, grads = mpx.filter_value_and_grad(lambda p: loss_fn(p, *batch), scaling)(params)
     params, opt_state = mpx.optimizer_update(params, inner, opt_state, grads, finite)
     return params, ((scaling.loss_scaling, scaling.counter), opt_state)
 
@@ -193,7 +215,7 @@ def keras_variant(opt, loss_scale):
 
 # ---------------------------------------------------------------- skip mechanisms
 # jaxscale's wrapper with another way to skip a step in place of its select on the inner update's
-# outputs (`_optax._update_or_keep`), swapped in while the step is traced: everything else (the
+# outputs (`_skip.update_or_keep`), swapped in while the step is traced: everything else (the
 # unscale, the check, the scaler's update) is the library's, so the rows differ only in the skip.
 
 
@@ -240,13 +262,13 @@ def jaxscale_skipping_by(skip):
     init, step = jaxscale_wrapper(opt)
 
     def traced_with_skip(*args):
-      from jaxscale import _optax
+      from jaxscale import _skip
 
-      library_skip, _optax._update_or_keep = _optax._update_or_keep, skip
+      library_skip, _skip.update_or_keep = _skip.update_or_keep, skip
       try:
         return step(*args)
       finally:
-        _optax._update_or_keep = library_skip
+        _skip.update_or_keep = library_skip
 
     return init, traced_with_skip
 
@@ -266,7 +288,7 @@ VARIANTS = {
     "keras LossScaleOptimizer": functools.partial(keras_variant, loss_scale=True),
     "mpx": mpx_optimizer_update,
 }
-LM_STEPS = {"mpx": mpx_lm_train_step}  # variants that run their own LM step, from the loss
+TRAIN_STEPS = {"jaxscale": jaxscale_train_step, "mpx": mpx_train_step}  # variants that run their own training step, from the loss
 UNSCALED = ("plain", "plain keras")  # stepped on the true gradients
 KERAS_VARIANTS = ("plain keras", "keras LossScaleOptimizer")
 
@@ -325,13 +347,25 @@ def lm_loss(params, tokens, *, heads):
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def lm_train_step(variant_step, scaled, *, heads):
+def mlp_init(key, *, width, depth):
+  """A tanh MLP of `depth` square layers, float32."""
+  keys = jax.random.split(key, depth)
+  return [{"w": jax.random.normal(k, (width, width)) * width**-0.5, "b": jnp.zeros(width)} for k in keys]
+
+
+def mlp_loss(params, x, y):
+  """Mean squared error of a float32 tanh MLP: the full step of a plain float32 model."""
+  for layer in params:
+    x = jnp.tanh(x @ layer["w"] + layer["b"])
+  return jnp.mean((x - y) ** 2)
+
+
+def train_step(variant_step, scaled, loss_fn):
   """Forward, backward (of the scaled loss for the scaled variants) and update."""
 
-  def step(params, state, tokens):
+  def step(params, state, *batch):
     scale = _current_scale(state) if scaled else 1.0
-    loss_fn = lambda p: lm_loss(p, tokens, heads=heads) * scale
-    grads = jax.grad(loss_fn)(params)
+    grads = jax.grad(lambda p: loss_fn(p, *batch) * scale)(params)
     return variant_step(params, state, grads)
 
   return step
@@ -408,13 +442,24 @@ def optimizer_builders(opt, n_params, n_leaves, variants):
 
 
 def lm_builders(opt, width, depth, variants, *, seq_len=128, batch=8, heads=4):
+  params = lambda: lm_init(jax.random.key(0), vocab=256, width=width, depth=depth, seq_len=seq_len)
+  tokens = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, 256)
+  return train_builders(opt, variants, params, functools.partial(lm_loss, heads=heads), (tokens,))
+
+
+def mlp_builders(opt, width, depth, variants, *, batch=128):
+  params = lambda: mlp_init(jax.random.key(0), width=width, depth=depth)
+  x, y = jax.random.normal(jax.random.key(1), (2, batch, width))
+  return train_builders(opt, variants, params, mlp_loss, (x, y))
+
+
+def train_builders(opt, variants, make_params, loss_fn, batch):
   def build(variant):
     init, step = VARIANTS[variant](opt)
-    params = lm_init(jax.random.key(0), vocab=256, width=width, depth=depth, seq_len=seq_len)
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, 256)
-    if variant in LM_STEPS:
-      return params, init(params), (tokens,), LM_STEPS[variant](opt, heads=heads)
-    return params, init(params), (tokens,), lm_train_step(step, variant not in UNSCALED, heads=heads)
+    params = make_params()
+    if variant in TRAIN_STEPS:
+      return params, init(params), batch, TRAIN_STEPS[variant](opt, loss_fn)
+    return params, init(params), batch, train_step(step, variant not in UNSCALED, loss_fn)
 
   return {v: functools.partial(build, v) for v in variants}
 
@@ -610,9 +655,9 @@ def main():
     print("keras 3 with the JAX backend is not importable: skipping", ", ".join(KERAS_VARIANTS), flush=True)
 
   if args.quick:
-    opt_configs = [("adam", 8_000_000, 48, all_variants),
-                   ("adam", 1_000_000, 1000, ["plain", *(v for v in all_variants if v.startswith("jaxscale"))])]
+    opt_configs = [("adam", 8_000_000, 48, all_variants), ("adam", 32_000_000, 48, all_variants)]
     lm_configs = [("adam", 128, 2)]
+    mlp_configs = [("adam", 1024, 6)]
   else:
     opt_configs = (
         [(o, 8_000_000, 48, all_variants) for o in OPTIMIZERS]
@@ -622,6 +667,7 @@ def main():
         + [("adam", 8_000_000, 1000, [v for v in all_variants if v != "flax DynamicScale"])]
     )
     lm_configs = [("adam", 256, 4), ("adamw", 512, 6)]
+    mlp_configs = [("adam", 1024, 6)]
 
   rows = []
   for opt, n, leaves, variants in opt_configs:
@@ -634,6 +680,12 @@ def main():
     print(f"fp16 LM train step: {opt}, width {width}, depth {depth}: {n/1e6:.1f}M params", flush=True)
     config = dict(problem="fp16 LM step", opt=opt, params=n, leaves=len(jax.tree.leaves(shapes)))
     rows += measure(config, lm_builders(opt, width, depth, all_variants), args.reps)
+
+  for opt, width, depth in mlp_configs:
+    n = depth * (width * width + width)
+    print(f"float32 MLP train step: {opt}, width {width}, depth {depth}: {n/1e6:.1f}M params", flush=True)
+    config = dict(problem="f32 MLP step", opt=opt, params=n, leaves=2 * depth)
+    rows += measure(config, mlp_builders(opt, width, depth, all_variants), args.reps)
 
   os.makedirs(args.out, exist_ok=True)
   stem, info = os.path.join(args.out, "benchmarks"), run_info(args)

@@ -122,10 +122,10 @@ def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> jax.Arr
 
 def make_train_step(tx: optax.GradientTransformation):
   def train_step(params, opt_state, x, y):
-    scaler = jaxscale.find_scaler(opt_state)
-    loss, grads = jax.value_and_grad(lambda p: jaxscale.scale(scaler, loss_fn(p, x, y)))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss / scaler.scale
+    # The true gradients (`jit` reduces them over the devices) and one finite flag for all of them.
+    loss, grads, finite = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
+    return optax.apply_updates(params, updates), opt_state, loss
 
   return jax.jit(train_step, donate_argnums=(0, 1))
 

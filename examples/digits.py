@@ -51,19 +51,19 @@ def cross_entropy(state, params, images, labels):
 
 
 def make_train_step(loss_weight: float, traces: _common.TraceCounter):
-  """The Linen recipe: scale the loss with the scaler in ``opt_state``; ``apply_gradients`` does the rest."""
+  """The Linen recipe: ``jaxscale.value_and_grad`` with the scaler in ``opt_state``, then ``apply_gradients``."""
 
   @jax.jit
   @traces
   def train_step(state, images, labels):
-    scaler = jaxscale.find_scaler(state.opt_state)
-
-    def scaled_loss(params):
+    def weighted_loss(params):
       loss, _ = cross_entropy(state, params, images, labels)
-      return jaxscale.scale(scaler, loss * loss_weight), loss
+      return loss * loss_weight, loss
 
-    grads, loss = jax.grad(scaled_loss, has_aux=True)(state.params)
-    state = state.apply_gradients(grads=grads)  # unscales, checks, skips the step on inf/NaN
+    scaler = jaxscale.find_scaler(state.opt_state)
+    # Scales the loss, differentiates, unscales and checks: `grads` are the true gradients.
+    (_, loss), grads, _ = jaxscale.value_and_grad(weighted_loss, has_aux=True)(scaler, state.params)
+    state = state.apply_gradients(grads=grads)  # tx.update checks them too, and skips the step on inf/NaN
     return state, (loss, jaxscale.metrics(state.opt_state))
 
   return train_step

@@ -46,6 +46,7 @@ import optax
 from flax import nnx
 
 import jaxscale
+import jaxscale.flax
 import jaxscale.plot
 
 import _common  # examples/, on the path when this file runs as a script
@@ -155,7 +156,7 @@ def lm_loss(model: TransformerLM, windows: jax.Array, taps=None) -> jax.Array:
 
 
 def make_train_step(loss_fn, loss_weight: float, traces: _common.TraceCounter):
-  """The NNX recipe: scale the loss with the scaler found in the optimizer, then `update`.
+  """The NNX recipe: `jaxscale.flax.value_and_grad` with the scaler found in the optimizer, then `update`.
 
   ``loss_fn`` is `lm_loss`, or `lm_loss` through `jaxscale.autocast`. The step
   returns the loss and `jaxscale.metrics`, as device arrays: nothing in it
@@ -165,14 +166,14 @@ def make_train_step(loss_fn, loss_weight: float, traces: _common.TraceCounter):
   @nnx.jit
   @traces
   def train_step(model, optimizer, windows):
-    scaler = jaxscale.find_scaler(optimizer.opt_state)
-
-    def scaled_loss(model):
+    def weighted_loss(model):
       loss = loss_fn(model, windows)
-      return jaxscale.scale(scaler, loss * loss_weight), loss
+      return loss * loss_weight, loss
 
-    grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
-    optimizer.update(model, grads)  # unscales, checks, skips the step on inf/NaN
+    scaler = jaxscale.find_scaler(optimizer.opt_state)
+    # Scales the loss, differentiates, unscales and checks: `grads` are the true gradients.
+    (_, loss), grads, finite = jaxscale.flax.value_and_grad(weighted_loss, has_aux=True)(scaler, model)
+    optimizer.update(model, grads, finite=finite)  # skips the step on inf/NaN
     return loss, jaxscale.metrics(optimizer.opt_state)
 
   return train_step
@@ -284,8 +285,8 @@ def make_optimizer(args: argparse.Namespace, config: _common.RunConfig) -> optax
   The runs are compared at the end, where a decayed learning rate makes the
   final loss depend less on the path that led there. Skipped steps do not
   advance the schedule. For 16-bit parameters, `jaxscale.master_weights` goes
-  around the scaler: Adam updates a float32 copy, and the float16 gradients
-  become float32 before they are unscaled.
+  around the scaler: Adam updates a float32 copy, with the float32 gradients of
+  `jaxscale.flax.value_and_grad` (which casts them before it unscales them).
   """
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr / 10

@@ -55,9 +55,9 @@ def train(dtype, loss_scaling):
 
   @jax.jit
   def train_step(params, opt_state, x, y):
-    scaler = jaxscale.find_scaler(opt_state)
-    grads = jax.grad(lambda p: jaxscale.scale(scaler, loss_fn(p, x, y, dtype)))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)  # unscales, checks, skips on inf/NaN
+    # Scales the loss, differentiates, unscales and checks: `grads` are the true gradients.
+    _, grads, finite = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params, x, y, dtype)
+    updates, opt_state = tx.update(grads, opt_state, params, finite=finite)  # skips on inf/NaN
     return optax.apply_updates(params, updates), opt_state
 
   params = init_mlp(jax.random.key(0))
@@ -85,7 +85,8 @@ def compare():
 
 
 def linen_recipe():
-  """``TrainState.apply_gradients`` calls ``tx.update``: the wrapper inside ``tx`` does the rest."""
+  """``TrainState.apply_gradients(grads=grads)`` with the true gradients of ``jaxscale.value_and_grad``:
+  ``tx.update`` checks them again and skips the step on an inf or a NaN."""
   from flax import linen as nn
   from flax.training import train_state
 
@@ -103,10 +104,9 @@ def linen_recipe():
 
   @jax.jit
   def train_step(state, x, y):
-    scaler = jaxscale.find_scaler(state.opt_state)
     loss = lambda p: LOSS_WEIGHT * jnp.mean((state.apply_fn(p, x) - y) ** 2)
-    grads = jax.grad(lambda p: jaxscale.scale(scaler, loss(p)))(state.params)
-    return state.apply_gradients(grads=grads)  # the scaled gradients: tx.update unscales them
+    _, grads, _ = jaxscale.value_and_grad(loss)(jaxscale.find_scaler(state.opt_state), state.params)
+    return state.apply_gradients(grads=grads)  # true gradients: tx.update checks them and skips on inf/NaN
 
   for _ in range(STEPS):
     state = train_step(state, x, y)
@@ -117,8 +117,10 @@ def linen_recipe():
 
 
 def nnx_recipe():
-  """``optimizer.update(model, grads)`` calls ``tx.update``: the same recipe."""
+  """``jaxscale.flax.value_and_grad``, then ``optimizer.update(model, grads, finite=finite)``: the same recipe."""
   from flax import nnx
+
+  import jaxscale.flax
 
   class MLP(nnx.Module):
     def __init__(self, rngs):
@@ -136,9 +138,9 @@ def nnx_recipe():
 
   @nnx.jit
   def train_step(model, optimizer, x, y):
-    scaler = jaxscale.find_scaler(optimizer.opt_state)
-    loss = lambda m: jaxscale.scale(scaler, LOSS_WEIGHT * jnp.mean((m(x) - y) ** 2))
-    optimizer.update(model, nnx.grad(loss)(model))  # the scaled gradients: tx.update unscales them
+    loss = lambda m: LOSS_WEIGHT * jnp.mean((m(x) - y) ** 2)
+    _, grads, finite = jaxscale.flax.value_and_grad(loss)(jaxscale.find_scaler(optimizer.opt_state), model)
+    optimizer.update(model, grads, finite=finite)  # true gradients, skipped on inf/NaN
 
   for _ in range(STEPS):
     train_step(model, optimizer, x, y)

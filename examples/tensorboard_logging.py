@@ -76,11 +76,10 @@ def main(argv=None):
 
   @jax.jit
   def train_step(params, opt_state):
-    scaler = jaxscale.find_scaler(opt_state)
-    loss_fn = lambda p: jaxscale.scale(scaler, jnp.mean((apply(p, x) - y) ** 2))
-    scaled_loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    metrics = {"loss": scaled_loss / scaler.scale, **jaxscale.metrics(opt_state)}
+    loss_fn = lambda p: jnp.mean((apply(p, x) - y) ** 2)
+    loss, grads, finite = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params)
+    updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
+    metrics = {"loss": loss, **jaxscale.metrics(opt_state)}
     return optax.apply_updates(params, updates), opt_state, metrics
 
   writer = summary_writer(args.logdir)

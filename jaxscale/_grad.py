@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from jaxscale import _scaler
 
@@ -17,19 +16,23 @@ def value_and_grad(
     *,
     axis_name: Any = None,
 ) -> Callable[..., tuple[Any, Any, jax.Array]]:
-  """Like ``jax.value_and_grad``, differentiating the scaled loss.
+  """Like ``jax.value_and_grad``, with the loss scaled inside: the gradient site.
 
-  The returned function takes the scaler state first, then ``fun``'s
-  arguments, and returns ``(value, grads, finite)``: ``fun``'s own (unscaled)
-  value (``(loss, aux)`` with ``has_aux``), the unscaled gradients, and the
-  finite flag of :func:`unscale_and_check`. Pass ``finite`` on to
-  :func:`update`, or to the Optax wrapper as
-  ``tx.update(grads, opt_state, params, finite=finite)``.
+  The returned function takes the scaler state first
+  (``jaxscale.find_scaler(opt_state)``, inside the jitted step), then
+  ``fun``'s arguments. It multiplies ``fun``'s loss by the scale,
+  differentiates, casts the gradients of float16 and bfloat16 parameters to
+  float32 *before* it unscales them (in float16, the small true gradients
+  that only the scale carried would flush to zero again), unscales and checks
+  them. It returns ``(value, grads, finite)``: ``fun``'s own (unscaled) value
+  (``(loss, aux)`` with ``has_aux``), the **true gradients**, and a scalar bool
+  array that is True iff they are all finite.
 
-  Gradients must not be float16: unscaled in float16, the small true
-  gradients that only the scale carried would flush to zero again. float16
-  parameters are refused with a ValueError that says what to do instead
-  (:func:`jaxscale.master_weights`); bfloat16 and float32 ones are fine.
+  This is the one place where a scaled gradient exists: everything after it
+  (a clip, an accumulation, a ``pmean``, ``optax.chain``, a Flax
+  ``TrainState``, an ``nnx.Optimizer``) sees the gradients it expects. Pass
+  ``finite`` on as ``tx.update(grads, opt_state, params, finite=finite)``, or
+  let the wrapper check the gradients itself.
 
   Args:
     fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
@@ -61,8 +64,15 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
     _scaler.require_state(
         state, "value_and_grad(fun)", " The scaler state comes first: `value_and_grad(fun)(scaler, *args)`."
     )
+    _scaler.warn_if_constant(state, (args, kwargs), "value_and_grad")
+
     def scaled_fun(*args, **kwargs):
-      out = fun(*args, **kwargs)
+      scaled_in_call: list = []
+      token = _scaler._scaled_here.set(scaled_in_call)
+      try:
+        out = fun(*args, **kwargs)
+      finally:
+        _scaler._scaled_here.reset(token)
       if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
         # `out[0]` of an array would differentiate its first element alone.
         shape = getattr(out, "shape", None)
@@ -70,28 +80,12 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
         raise TypeError(
             f"With `has_aux=True`, `fun` must return a pair `(loss, aux)`, as for `jax.grad`; it returned {what}."
         )
-      return _scaler.scale(state, out[0] if has_aux else out), out
+      loss = out[0] if has_aux else out
+      _scaler.refuse_scaled_loss(loss, scaled_in_call)
+      return _scaler.scale(state, loss), out
 
     grads, value = grad(scaled_fun, argnums=argnums, has_aux=True)(*args, **kwargs)
-    _refuse_float16(grads)
-    grads, finite = _scaler.unscale_and_check(state, grads, axis_name=axis_name)
+    grads, finite = _scaler.unscale_and_check_unchecked(state, grads, axis_name=axis_name)
     return value, grads, finite
 
   return wrapped
-
-
-def _refuse_float16(grads: Any) -> None:
-  """Raises for float16 gradients, which cannot be unscaled in their own dtype without loss."""
-  paths = [jax.tree_util.keystr(path) for path, g in jax.tree_util.tree_leaves_with_path(grads)
-           if jnp.result_type(g) == jnp.float16]
-  if paths:
-    raise ValueError(
-        f"`jaxscale.value_and_grad` got float16 gradients (at {', '.join(paths[:3])}"
-        f"{', ...' if len(paths) > 3 else ''}), of float16 parameters: unscaled in float16, every "
-        "true gradient below 2**-24 would flush to zero again (torch refuses to unscale them too). "
-        "Keep float32 parameters and compute in float16 (Flax: `dtype=jnp.float16, "
-        "param_dtype=jnp.float32`); or, to store float16 parameters, take `jax.grad` of "
-        "`jaxscale.scale(scaler, loss)` and update with "
-        "`jaxscale.master_weights(jaxscale.dynamic_loss_scaling(inner))`, which casts the scaled "
-        "gradients to float32 before it unscales them."
-    )

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxscale import _master, _optax, _policy, _tree
+from jaxscale import _master, _optax, _policy, _skip, _tree
 
 DTYPES = ("float16", "bfloat16")
 
@@ -160,7 +160,7 @@ def low_precision_state(
     key, draw = jax.random.split(state.key)
     stored = _encode(new_inner, dtype, draw)
     # A scaler inside `inner` skipped: keep the stored state and the key, bit for bit.
-    skipped = _master._skipped(new_inner)
+    skipped = _skip.skipped_inside(new_inner)
     # (Only what this wrapper stores: the scaler's own state has moved on.)
     keep = lambda old, new: jnp.where(skipped, old, new)
     stored = jax.tree.map(

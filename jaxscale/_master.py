@@ -4,7 +4,9 @@ A step on 16-bit parameters loses every update below half a unit in the last
 place (for float16 near 1.0: 2**-11), so a small learning rate stops learning.
 ``master_weights(inner, method=...)`` keeps what the parameters cannot hold::
 
-    grads32 = float32(grads)                  # before the scaler unscales them
+    grads32 = float32(grads)                  # true gradients: the gradient site
+                                              # (jaxscale.value_and_grad) cast them to
+                                              # float32 before it unscaled them
     "float32":  x = master                    # a float32 copy of each parameter
     "kahan":    x = float32(params) + comp * ulp(params)   # a 16-bit compensation
     "stochastic_rounding": x = float32(params)              # nothing kept
@@ -32,8 +34,6 @@ and keeps only a few bits (benchmarks/NOTES.md #20).
 
 from __future__ import annotations
 
-import functools
-import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxscale import _optax, _policy, _scaler
+from jaxscale import _optax, _policy, _skip
 
 METHODS = ("float32", "kahan", "stochastic_rounding")
 
@@ -65,12 +65,6 @@ class MasterWeightsState(NamedTuple):
   compensation: Any = None  # "kahan": like params, each 16-bit leaf's remainder in units of its ulp, same dtype
   key: Any = None  # "stochastic_rounding": shape=(2,), dtype=uint32; a raw PRNG key, split once per step
 
-  # Read by `dynamic_loss_scaling`, which refuses to wrap this state: inside it, the scaler would
-  # unscale the float16 gradients in float16, flushing the small ones before the master sees them.
-  not_inside_dynamic_loss_scaling = (
-      "`dynamic_loss_scaling(master_weights(inner))` unscales float16 gradients in float16, where small "
-      "ones flush to zero; nest them the other way round: `master_weights(dynamic_loss_scaling(inner))`."
-  )
 
 
 def master_weights(
@@ -81,10 +75,11 @@ def master_weights(
 ) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` for float16 / bfloat16 parameters without losing small updates.
 
-  Put the loss scaler inside: ``master_weights(dynamic_loss_scaling(inner))``.
-  The float16 gradients are then cast to float32 *before* they are
-  unscaled; unscaled in float16, true gradients below 2**-24 would flush to
-  zero again. (The other order is refused by :func:`dynamic_loss_scaling`.)
+  Used as ``master_weights(dynamic_loss_scaling(inner))``, with the true
+  gradients of :func:`jaxscale.value_and_grad`, which casts the gradients of
+  16-bit parameters to float32 *before* it unscales them (unscaled in
+  float16, true gradients below 2**-24 would flush to zero again). The other
+  order, ``dynamic_loss_scaling(master_weights(inner))``, trains the same.
   ``inner`` always runs in float32, on float32 gradients and parameters; wrap
   it in :func:`jaxscale.low_precision_state` to store its state in 16 bits.
 
@@ -173,7 +168,7 @@ def master_weights(
     full = _float32_params(params, state)
     grads = jax.tree.map(lambda g, p: g.astype(jnp.float32) if _is_narrow(p) else g, updates, params)
     inner_updates, inner_state = inner.update(grads, state.inner_state, full, **extra_args)
-    skipped = _skipped(inner_state)
+    skipped = _skip.skipped_inside(inner_state)
     if method == "float32":
       master = optax.apply_updates(full, inner_updates)  # on a skipped step: master + -0.0, bit for bit
       new_state = MasterWeightsState(_only_narrow(params, master), inner_state)
@@ -191,11 +186,11 @@ def master_weights(
     new_updates = _narrow_updates(params, exact, inner_updates, skipped)
     if method == "kahan":
       comp = jax.tree.map(
-          lambda p, c, s, u: _keep(skipped, c, _remainder(p, s, u)) if _is_narrow(p) else c,
+          lambda p, c, s, u: _skip.keep(~skipped, c, _remainder(p, s, u)) if _is_narrow(p) else c,
           params, comp, steps, new_updates,
       )
     new_state = MasterWeightsState(None, inner_state, comp if method == "kahan" else None,
-                                   _keep(skipped, state.key, new_key) if new_key is not None else None)
+                                   _skip.keep(~skipped, state.key, new_key) if new_key is not None else None)
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -319,7 +314,7 @@ def _stochastic_round(x: jax.Array, dtype, uniform: jax.Array) -> jax.Array:
 def _narrow_updates(params, targets, inner_updates, skipped):
   """Each 16-bit leaf's update onto ``targets`` rounded to its dtype; ``-0.0`` on a skipped step."""
   return jax.tree.map(
-      lambda p, t, u: _keep(skipped, jnp.asarray(-0.0, p.dtype), _step_to(p, t)) if _is_narrow(p) else u,
+      lambda p, t, u: _skip.keep(~skipped, jnp.asarray(-0.0, p.dtype), _step_to(p, t)) if _is_narrow(p) else u,
       params, targets, inner_updates,
   )
 
@@ -349,18 +344,6 @@ def _step_to(param: jax.Array, target32: jax.Array) -> jax.Array:
 
 def _materialise(x: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(x)
-
-
-def _keep(skipped, old, new):
-  """``old`` on a skipped step, else ``new``."""
-  return jnp.where(skipped, old, new)
-
-
-def _skipped(inner_state) -> jax.Array:
-  """Whether a ``dynamic_loss_scaling`` inside skipped this step (False when there is none)."""
-  is_scaler = lambda x: isinstance(x, _scaler.ScalerState)
-  flags = [s.last_skipped for s in jax.tree.leaves(inner_state, is_leaf=is_scaler) if is_scaler(s)]
-  return functools.reduce(operator.or_, flags, jnp.asarray(False))
 
 
 def _raw_key(key, who: str = "master_weights") -> jax.Array:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.core import Tracer
 
-from jaxscale import _provenance, _scaler, _tree
+from jaxscale import _scaler, _skip, _tree
 
 
 class DynamicLossScalingState(NamedTuple):
@@ -37,36 +36,33 @@ def dynamic_loss_scaling(
     axis_name: Any = None,
     **init_options: Any,
 ) -> optax.GradientTransformationExtraArgs:
-  """Wraps ``inner`` so that it can be fed the gradients of a scaled loss.
+  """Wraps ``inner`` so that a step whose gradients hold an inf or a NaN is skipped.
 
-  Each update unscales the gradients, checks them, and runs ``inner`` on the
-  true gradients. A step whose gradients hold an inf or a NaN is skipped: the
-  updates are all zero (``-0.0``, so ``optax.apply_updates`` leaves every
-  parameter bit for bit as it was) and ``inner``'s state, step count and
-  learning-rate schedule do not advance. The scaler then grows or backs off.
+  Its update takes the **true** (unscaled) gradients, as every Optax
+  transformation does: the gradient site, :func:`jaxscale.value_and_grad`
+  (or ``jaxscale.scale`` -> ``jax.grad`` -> :func:`jaxscale.unscale_and_check`
+  by hand), is the one place where a scaled gradient exists. So the wrapper
+  sits anywhere in a chain: a clip in front of it
+  (``optax.chain(optax.clip_by_global_norm(1.0), dynamic_loss_scaling(adam))``)
+  clips true gradients, as torch users do after ``scaler.unscale_``.
 
-  Gradient clipping and any other transformation that must see true gradients
-  go *inside* ``inner`` (``dynamic_loss_scaling(optax.chain(clip, adam))``):
-  this is what torch users do by hand with ``scaler.unscale_(optimizer)``.
+  Each update checks the gradients (inf and NaN survive exact unscaling, so
+  this is the check of the scaled ones), ANDs the ``finite`` flag of the
+  gradient site when one is passed (``tx.update(grads, state, params,
+  finite=finite)``; Flax's ``TrainState.apply_gradients`` and
+  ``nnx.Optimizer.update``, which cannot pass it, lose nothing), and runs
+  ``inner``. A step that is not finite is skipped: the updates are all zero
+  (``-0.0``, so ``optax.apply_updates`` leaves every parameter bit for bit as
+  it was) and ``inner``'s state, step count and learning-rate schedule do not
+  advance. The scaler then grows or backs off, and the next
+  ``jaxscale.find_scaler(opt_state)`` scales the loss by the new scale.
 
-  If you already unscaled and checked the gradients yourself (with
-  :func:`jaxscale.value_and_grad` or :func:`jaxscale.unscale_and_check`),
-  pass the flag as ``tx.update(grads, state, params, finite=finite)``: the
-  gradients are then taken as unscaled and are not checked a second time.
-  The flag must be a boolean scalar; with ``axis_name`` the devices still
-  agree on it (a step is skipped everywhere if any device's flag is False).
-
-  Without ``finite=``, what the update is given is checked while it is traced
-  (nothing of it enters the compiled step): gradients that
-  :func:`jaxscale.value_and_grad` or :func:`jaxscale.unscale_and_check`
-  returned, unchanged, are recognised as unscaled and bring their flag (so
-  ``TrainState.apply_gradients`` and ``nnx.Optimizer.update``, which cannot
-  pass ``finite=``, never unscale them twice); such gradients changed by hand
-  are a ValueError; and gradients when no loss was multiplied by a scale (a
-  forgotten :func:`jaxscale.scale`) give a ``UserWarning``. Scaled gradients
-  computed in another jitted function cannot be recognised: unscale them
-  with :func:`jaxscale.unscale_and_check` where you update, and pass
-  ``finite=``.
+  With gradient accumulation, accumulate inside:
+  ``dynamic_loss_scaling(optax.MultiSteps(inner, k))`` checks every
+  micro-batch and skips only the bad ones. ``optax.MultiSteps`` or
+  ``optax.apply_if_finite`` *around* the wrapper would hide its decisions
+  (a window's inf stays in the accumulator; a back-off is thrown away):
+  :func:`find_scaler` refuses such a state and says what to write instead.
 
   A skipped step runs ``inner`` all the same (on zero gradients, its results
   thrown away): side effects inside it, such as ``jax.debug.print`` or host
@@ -96,9 +92,10 @@ def dynamic_loss_scaling(
     >>> params = jnp.ones(2)
     >>> opt_state = tx.init(params)
     >>> loss = lambda p: jnp.sum(p ** 2)
-    >>> scaler = jaxscale.find_scaler(opt_state)
-    >>> grads = jax.grad(lambda p: jaxscale.scale(scaler, loss(p)))(params)
-    >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> value, grads, finite = jaxscale.value_and_grad(loss)(jaxscale.find_scaler(opt_state), params)
+    >>> grads  # true gradients: the scale exists only inside value_and_grad
+    Array([2., 2.], dtype=float32)
+    >>> updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
     >>> optax.apply_updates(params, updates)
     Array([0.8, 0.8], dtype=float32)
   """
@@ -116,12 +113,11 @@ def dynamic_loss_scaling(
 
   def init_fn(params):
     inner_state = inner.init(params)
-    _refuse_what_must_not_be_inside(inner_state)
     if any(_is_scaler(x) for x in jax.tree.leaves(inner_state, is_leaf=_is_scaler)):
       raise ValueError(
           "`dynamic_loss_scaling` wraps an optimizer that already holds a loss scaler (a "
-          "`dynamic_loss_scaling` inside `inner`): the gradients would be unscaled twice. Wrap "
-          "the optimizer once, outermost (inside `master_weights`, if any)."
+          "`dynamic_loss_scaling` inside `inner`): two scales would back off and grow apart, and "
+          "`find_scaler` could not tell which one scales the loss. Wrap the optimizer once."
       )
     return DynamicLossScalingState(_scaler.init(**init_options), inner_state)
 
@@ -136,22 +132,19 @@ def dynamic_loss_scaling(
     if not enabled:
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
-    scaler = state.scaler
-    if finite is None:
-      finite = _flag_of_unscaled(updates, scaler)
-    if finite is None:
-      _warn_if_float16(updates)
-      updates, finite = _scaler.unscale_and_check_unnoted(scaler, updates, axis_name=axis_name)
-    else:
-      _warn_if_still_scaled(updates, scaler)
-      finite = _scaler._as_flag(finite)
+    # inf and NaN survive exact unscaling, so checking the true gradients is checking the
+    # scaled ones; a flag from the gradient site (`jaxscale.value_and_grad`) is ANDed in.
+    checked = _scaler.all_finite(updates, axis_name=axis_name)
+    if finite is not None:
+      finite = _scaler.as_flag(finite)
       if axis_name is not None:  # each device may have checked only its own gradients
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    finite = finite & ~scaler.stalled
-    updates, inner_state = _update_or_keep(
-        finite, lambda u, s, p: inner.update(u, s, p, **extra_args), updates, state.inner_state, params
+      checked = checked & finite
+    checked = checked & ~state.scaler.stalled
+    updates, inner_state = _skip.update_or_keep(
+        checked, lambda u, s, p: inner.update(u, s, p, **extra_args), updates, state.inner_state, params
     )
-    return updates, DynamicLossScalingState(_scaler.update(scaler, finite), inner_state)
+    return updates, DynamicLossScalingState(_scaler.update(state.scaler, checked), inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -173,193 +166,6 @@ def require_transformation(inner: Any, function: str) -> None:
       f"`{function}` wraps an `optax.GradientTransformation`, got {inner!r} of type "
       f"{type(inner).__name__}; {hint}."
   )
-
-
-def _flag_of_unscaled(updates, scaler):
-  """The finite flag of ``updates`` if they are known unscaled, else None (they are taken
-  as scaled). Raises or warns, at trace time, where they can be neither (see _provenance.py)."""
-  leaves = [g for g in jax.tree.leaves(updates) if _tree.is_floating(g)]
-  flags = [_provenance.unscaled_flag(g) for g in leaves]
-  known = [f for f in flags if f is not None]
-  if known and len(known) < len(leaves):
-    raise ValueError(
-        f"`dynamic_loss_scaling`'s update was given gradients of which {len(known)} of "
-        f"{len(leaves)} floating leaves were already unscaled (by `jaxscale.value_and_grad` or "
-        "`jaxscale.unscale_and_check`) and the others not; it would divide the unscaled ones by "
-        "the loss scale a second time. Unscale them all and pass the flag: "
-        "`tx.update(grads, opt_state, params, finite=finite)`."
-    )
-  if known:  # all unscaled already: their flag comes with them (several calls: all must hold)
-    _provenance.forget_scaled_since()
-    finite = known[0]
-    for flag in known[1:]:
-      finite = finite if flag is finite else finite & flag
-    return finite
-  scaled, last = _provenance.use_of(scaler.scale)
-  if last == "unscaled" and isinstance(scaler.scale, Tracer):  # eagerly, one state may serve many calls
-    raise ValueError(
-        "`dynamic_loss_scaling`'s update was given gradients without `finite=`, but the last "
-        "use of its loss scale in this trace was to unscale gradients (`jaxscale.value_and_grad` "
-        "or `jaxscale.unscale_and_check`): if these are those gradients, transformed (clipped, "
-        "averaged, ...), the update would divide them by the scale a second time. Pass their "
-        "flag: `tx.update(grads, opt_state, params, finite=finite)`, or put the transformation "
-        "inside the optimizer (`dynamic_loss_scaling(optax.chain(clip, adam))`) and give it the "
-        "scaled gradients of `jax.grad` of `jaxscale.scale(scaler, loss)` (as a Flax "
-        "`TrainState.apply_gradients` needs, since it cannot pass `finite=`). If they are scaled "
-        "gradients and you unscaled a copy only to inspect it, pass that unscaled copy with "
-        "`finite=` instead."
-    )
-  if scaled:
-    _provenance.forget_scaled_since()
-  elif not _provenance.scaled_since():
-    warnings.warn(
-        "jaxscale: `dynamic_loss_scaling`'s update was given gradients without `finite=`, so it "
-        "takes them as gradients of a scaled loss and divides them by the loss scale; but no "
-        "loss was multiplied by this optimizer's scale here, nor any loss by any scale since an "
-        "update last saw its own. Gradients of an unscaled loss would then train `scale` times too slowly. "
-        "Differentiate `jaxscale.scale(jaxscale.find_scaler(opt_state), loss)`, or use "
-        "`jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params)`. If the "
-        "gradients are scaled but were computed elsewhere (in another jitted function), unscale "
-        "them where you update, `grads, finite = jaxscale.unscale_and_check("
-        "jaxscale.find_scaler(opt_state), grads)`, and pass `finite=finite`.",
-        UserWarning,
-        stacklevel=3,
-    )
-  return None
-
-
-def _warn_if_float16(updates):
-  """Warns, at trace time, when the wrapper is to unscale float16 gradients in float16."""
-  if any(_tree.is_floating(g) and jnp.result_type(g) == jnp.float16 for g in jax.tree.leaves(updates)):
-    warnings.warn(
-        "jaxscale: `dynamic_loss_scaling` was given float16 gradients (of float16 parameters) to "
-        "unscale: in float16 every true gradient below 2**-24 flushes to zero again, and those "
-        "parameters stop learning. Wrap it as `jaxscale.master_weights(jaxscale.dynamic_loss_scaling("
-        "inner))`, which casts the gradients to float32 before they are unscaled, or keep float32 "
-        "parameters and compute in float16.",
-        UserWarning,
-        stacklevel=3,
-    )
-
-
-def _warn_if_still_scaled(updates, scaler):
-  """Warns, at trace time, when gradients given with ``finite=`` look like scaled ones: in this
-  trace the scale multiplied a loss and was never used to unscale (see _provenance.py)."""
-  if not isinstance(scaler.scale, Tracer):  # eagerly, one state may serve many calls
-    return
-  if _provenance.use_of(scaler.scale)[1] != "scaled":
-    return
-  leaves = [g for g in jax.tree.leaves(updates) if _tree.is_floating(g)]
-  if any(_provenance.unscaled_flag(g) is not None for g in leaves):
-    return
-  warnings.warn(
-      "jaxscale: `dynamic_loss_scaling`'s update was given `finite=`, so it takes the gradients as "
-      "unscaled and does not divide them by the loss scale; but in this trace the scale multiplied "
-      "a loss and never unscaled anything. If these are the gradients of the scaled loss, the "
-      "update is `scale` times too large: unscale them first, `grads, finite = "
-      "jaxscale.unscale_and_check(scaler, grads)`, or drop `finite=` and let the update unscale them.",
-      UserWarning,
-      stacklevel=3,
-  )
-
-
-def _update_or_keep(finite, update, updates, inner_state, params):
-  """``update(updates, inner_state, params)`` if ``finite``, else ``(-0.0, inner_state)``.
-
-  ``update`` runs on every step, and a select on its outputs keeps the old
-  state and masks the updates when ``finite`` is False: public JAX only, one
-  compiled step with no branch and no host sync, and the same algorithm
-  eagerly and under ``jit``. On a skipped step ``update`` is fed zero
-  gradients, so what it computes from values it closes over (a traced
-  learning rate) stays finite.
-
-  Why a select rather than a ``lax.cond``: on the one GPU measured (NVIDIA
-  H100, ``bench.py --quick``, docs/benchmarks-h100.md) the select on the
-  outputs, the pattern of Flax's ``DynamicScale``, cost 1.04x plain Adam
-  (8M parameters, 48 leaves) where Keras's ``cond`` cost 1.06x; on a CPU the
-  ``cond`` measured 3.5x (benchmarks/NOTES.md #1). On XLA:CPU, with the
-  donated parameters and state, the select measured the same as the jaxpr
-  evaluation it replaced, in the Adam step alone (8M parameters, 48 leaves:
-  1.47x both, the same 4 copies) and in full LM training steps (the same
-  copies and fusions; NOTES.md #19). ``bench.py`` times each mechanism as its
-  own row, so that a GPU run can decide again.
-
-  Derivatives through a skipped step (meta-learning, hyperparameter
-  gradients) must be zero, not NaN: the updates are masked, but reverse mode
-  multiplies their zero cotangent by the derivatives of whatever ``update``
-  computed from the inf gradients or the old state (Adam's bias correction
-  at count 0 is 0/0): the ``where`` trap. So every input of ``update`` passes
-  through :func:`_no_derivative_unless`, the identity (no op in the compiled
-  step) whose derivative is zero on a skipped step; the kept state keeps its
-  derivative with respect to the old state.
-  """
-  zeroed = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)) if _tree.is_floating(u) else u, updates)
-  new_updates, new_state = update(*_gate_tree(finite, (zeroed, inner_state, params)))
-  _check_state_structure(new_state, inner_state)
-  return (
-      jax.tree.map(lambda u: _mask(finite, u, jnp.result_type(u)), new_updates),
-      jax.tree.map(lambda n, o: _keep_if_skipped(finite, n, o, jnp.result_type(n)), new_state, inner_state),
-  )
-
-
-def _refuse_what_must_not_be_inside(inner_state):
-  """Raises the error a state type names in its ``not_inside_dynamic_loss_scaling`` class attribute.
-
-  A wrapper whose state must never be wrapped in this one (``master_weights``:
-  the scaler would unscale its float16 gradients in float16) says so on its
-  state's type, so that this module need not know it.
-  """
-  refuses = lambda x: isinstance(getattr(type(x), "not_inside_dynamic_loss_scaling", None), str)
-  for leaf in jax.tree.leaves(inner_state, is_leaf=refuses):
-    if refuses(leaf):
-      raise ValueError(type(leaf).not_inside_dynamic_loss_scaling)
-
-
-def _check_state_structure(new_state, inner_state):
-  if jax.tree.structure(new_state) != jax.tree.structure(inner_state):
-    raise ValueError(
-        "`dynamic_loss_scaling` keeps the inner optimizer's state on a skipped step, so the "
-        "inner update must return a state of the structure it was given; it was given "
-        f"{jax.tree.structure(inner_state)} and returned {jax.tree.structure(new_state)}. "
-        "Build the state's final structure in the optimizer's `init`."
-    )
-
-
-@jax.custom_jvp
-def _no_derivative_unless(finite, x):
-  """``x`` (any pytree), whose derivative is zero (not ``0 * nan``) unless ``finite``."""
-  del finite
-  return x
-
-
-@_no_derivative_unless.defjvp
-def _no_derivative_unless_jvp(primals, tangents):
-  finite, x = primals
-  # A select, not a product: its transpose zeroes a NaN cotangent too.
-  return x, jax.tree.map(lambda t: jnp.where(finite, t, jnp.zeros_like(t)), tangents[1])
-
-
-def _gate_tree(finite, tree):
-  """``tree`` with its floating leaves gated by :func:`_no_derivative_unless`, in one call.
-
-  One call for the whole tree, not one per leaf: each call is an equation
-  to trace and lower, and an optimizer of 1000 leaves has thousands of inputs.
-  """
-  leaves, treedef = jax.tree.flatten(tree)
-  floating = [i for i, x in enumerate(leaves) if _tree.is_floating(x)]
-  gated = _no_derivative_unless(finite, [leaves[i] for i in floating])
-  for i, x in zip(floating, gated):
-    leaves[i] = x
-  return jax.tree.unflatten(treedef, leaves)
-
-
-def _mask(finite, u, dtype):
-  """The update ``u`` if ``finite``, else -0.0 (``apply_updates`` then changes no bit)."""
-  return jnp.where(finite, jnp.asarray(u, dtype), jnp.asarray(-0.0, dtype))
-
-
-def _keep_if_skipped(finite, new, old, dtype):
-  return jnp.where(finite, jnp.asarray(new, dtype), jnp.asarray(old, dtype))
 
 
 def find_scaler(opt_state: Any) -> _scaler.ScalerState:
@@ -398,6 +204,7 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
         "`find_scaler` takes an optimizer *state*, got the optimizer itself (a "
         "`GradientTransformation`); pass `opt_state = tx.init(params)` (or `state.opt_state`)."
     )
+  _refuse_hidden_decisions(opt_state)
   if len(found) != 1:
     what = "no ScalerState" if not found else f"{len(found)} ScalerStates"
     raise ValueError(
@@ -409,7 +216,37 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
   # Field by field, not `jax.tree.map`: NNX Variables are pytree nodes
   # themselves, so a tree map would reach the arrays inside them and leave
   # the Variables in place.
-  return found[0]._make(_tree.unwrap_variable(field) for field in found[0])
+  scaler = found[0]._make(_tree.unwrap_variable(field) for field in found[0])
+  if not isinstance(scaler.stalled, Tracer):  # outside `jit`: reading one bool costs nothing new
+    _scaler.raise_if_stalled(scaler)
+  return scaler
+
+
+# What must not hold the wrapper, and what to write instead. Each would hide the wrapper's decisions:
+# `MultiSteps` keeps a window's inf in its accumulator (and resets it with `(1 - emit) * acc`, a NaN
+# that stays), so every later window is skipped; `apply_if_finite` throws the back-off away with the
+# rest of the state of a non-finite step, so the same scale overflows again.
+_HIDING = {
+    optax.MultiStepsState: (
+        "`optax.MultiSteps(dynamic_loss_scaling(inner), k)`: an overflow in one micro-batch would "
+        "stay in MultiSteps' accumulator and skip every later window. Accumulate inside the "
+        "wrapper, `dynamic_loss_scaling(optax.MultiSteps(inner, k))`: each micro-batch is then "
+        "checked, and only the bad ones are skipped."
+    ),
+    optax.ApplyIfFiniteState: (
+        "`optax.apply_if_finite(dynamic_loss_scaling(inner), n)`: on a non-finite step "
+        "apply_if_finite throws away the scaler's back-off with the rest of the state, so the "
+        "same scale overflows again and again. Drop `apply_if_finite`: `dynamic_loss_scaling` "
+        "already skips non-finite steps (or put it inside: `dynamic_loss_scaling(apply_if_finite(inner, n))`)."
+    ),
+}
+
+
+def _refuse_hidden_decisions(opt_state):
+  hides = lambda x: isinstance(x, tuple(_HIDING))
+  for node in jax.tree.leaves(opt_state, is_leaf=lambda x: hides(x) or _is_scaler(x)):
+    if hides(node) and any(_is_scaler(x) for x in jax.tree.leaves(node, is_leaf=_is_scaler)):
+      raise ValueError(f"The optimizer state holds {_HIDING[type(node)]}")
 
 
 _FIELDS = frozenset(_scaler.ScalerState._fields)

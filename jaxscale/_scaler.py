@@ -26,7 +26,9 @@ only when the scale grows (DeepSpeed refills it on every finite step instead).
 
 from __future__ import annotations
 
+import contextvars
 import math
+import warnings
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -35,7 +37,6 @@ import numpy as np
 import optax
 from jax.core import Tracer
 
-from jaxscale import _provenance
 from jaxscale._tree import is_floating as _is_floating
 
 StallPolicy = Literal["skip", "raise"]
@@ -99,7 +100,7 @@ def init(
     min_scale: float = 0.0,
     max_scale: float = math.inf,
     dynamic: bool = True,
-    on_stall: StallPolicy = "skip",
+    on_stall: StallPolicy = "raise",
 ) -> ScalerState:
   """Builds a :class:`ScalerState`; the defaults are torch.amp.GradScaler's.
 
@@ -125,11 +126,14 @@ def init(
     dynamic: False keeps the scale fixed at ``init_scale`` (a static loss
       scale); non-finite steps are still skipped and counted.
     on_stall: what happens when a step overflows while the scale is already
-      at ``min_scale`` (or at 2**-126): ``"skip"`` keeps skipping such steps; ``"raise"`` sets
-      the sticky ``stalled`` flag, skips every later step (the parameters stay
-      at their last good values) and makes :func:`raise_if_stalled` raise.
-      The flag lives on the device: checking it is a host sync, so do it at
-      your logging cadence, not every step.
+      at ``min_scale`` (or at 2**-126), as in a run whose every step holds an
+      inf or a NaN whatever the scale. ``"raise"`` (the default) sets the sticky
+      ``stalled`` flag, skips every later step (the parameters stay at their
+      last good values) and makes :func:`raise_if_stalled` raise, and with it
+      :func:`jaxscale.find_scaler` and :func:`jaxscale.metrics` outside
+      ``jit``: the run does not go on quietly. ``"skip"`` keeps skipping such
+      steps and trying again (torch's behaviour). The flag lives on the
+      device: nothing in the compiled step waits for it.
 
   Returns:
     A :class:`ScalerState` whose leaves are all scalar arrays.
@@ -353,8 +357,61 @@ def scale(state: ScalerState, tree: Any) -> Any:
         f"floating leaf), but got leaves of dtypes {dtypes}."
     )
 
-  _provenance.note_scaled(state.scale)
-  return jax.tree.map(lambda x: _times(x, state.scale), tree)
+  scaled = jax.tree.map(lambda x: _times(x, state.scale), tree)
+  outputs = _scaled_here.get()
+  if outputs is not None:  # inside `jaxscale.value_and_grad`'s loss function: it checks the loss it gets
+    outputs.extend(x for x in jax.tree.leaves(scaled) if _is_floating(x))
+  return scaled
+
+
+# While `jaxscale.value_and_grad` calls the user's loss function, the outputs of every
+# `jaxscale.scale` in that call, so that it can refuse a loss that comes back already scaled. A
+# dynamic scope, emptied when the call returns: the verdict depends on the call in progress, never
+# on what ran before. (A gradient site nested in the loss, for a gradient penalty, scales values that
+# are not the returned loss: it is not confused with the mistake.)
+_scaled_here: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxscale_scaled_here", default=None)
+
+
+def refuse_scaled_loss(loss: Any, scaled_in_call: list) -> None:
+  """Raises if ``loss`` is one of the outputs of a ``jaxscale.scale`` made inside the loss function."""
+  if any(leaf is out for leaf in jax.tree.leaves(loss) for out in scaled_in_call):
+    raise ValueError(
+        "The loss function given to `jaxscale.value_and_grad` returned a loss already multiplied "
+        "by `jaxscale.scale`, and `value_and_grad` scales the loss itself: the gradients would "
+        "come out `scale` times too large. Return the plain loss; `value_and_grad` scales it, "
+        "differentiates and unscales."
+    )
+
+
+def _staging() -> bool:
+  """Whether the caller runs inside a staged trace (``jit``, ``scan``, ...), where even a constant
+  is a tracer; ``grad`` and ``vmap`` alone, outside ``jit``, compute eagerly."""
+  return isinstance(jnp.zeros((), jnp.bool_), Tracer)
+
+
+def warn_if_constant(state: ScalerState, tree: Any, function: str) -> None:
+  """Warns, at trace time, when a dynamic scaler is a constant of a traced computation.
+
+  Inside a jitted step whose gradients are traced, the scaler must come from
+  the optimizer state passed in (``jaxscale.find_scaler(opt_state)``, traced
+  too). One taken from a state outside the step, or a fresh ``jaxscale.init()``,
+  is baked into the compiled step: its scale never changes, and after an
+  overflow every step overflows again.
+  """
+  if isinstance(state.scale, Tracer) or isinstance(state.dynamic, Tracer):
+    return
+  if not (_staging() and any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))):
+    return
+  if not (np.all(np.asarray(state.dynamic)) and np.all(np.asarray(state.enabled))):
+    return  # a static or disabled scale never changes anyway
+  warnings.warn(
+      f"jaxscale: `{function}` got a scaler whose scale is a constant of the traced computation "
+      "(its arrays were not passed into the jitted function): its scale never adapts, and after "
+      "one overflow every step would overflow again. Take the scaler from the optimizer state "
+      "passed to the step, inside it: `jaxscale.find_scaler(opt_state)`.",
+      UserWarning,
+      stacklevel=3,
+  )
 
 
 def unscale_and_check(
@@ -362,9 +419,14 @@ def unscale_and_check(
 ) -> tuple[Any, jax.Array]:
   """Divides gradients by the loss scale and checks that they are finite.
 
-  Each leaf keeps its dtype; integer and ``float0`` leaves pass through.
-  Unscaling is exact for power-of-two scales across the whole float32
-  range (see :func:`_reciprocal_factors`).
+  The unscale of the gradient site, by hand: ``jaxscale.scale`` ->
+  ``jax.grad`` -> ``unscale_and_check``, after which the gradients are true
+  ones and go to any Optax transformation. float16 and bfloat16 leaves are
+  cast to float32 *before* they are unscaled (in float16, every true gradient
+  below 2**-24 would flush to zero again); other leaves keep their dtype, and
+  integer and ``float0`` leaves pass through. Unscaling is exact for
+  power-of-two scales across the whole float32 range (see
+  :func:`_reciprocal_factors`).
 
   Args:
     state: the scaler state that scaled the loss.
@@ -377,39 +439,34 @@ def unscale_and_check(
     is True iff every element of every unscaled leaf is finite (on every
     device of ``axis_name``). Always True when the state is disabled.
 
-    The Optax wrapper recognises these gradients, unchanged, while it is
-    traced, and takes ``finite`` with them: they are never unscaled twice.
-
   Examples:
     >>> import jax.numpy as jnp, jaxscale
     >>> state = jaxscale.init(init_scale=1024.0)
     >>> jaxscale.unscale_and_check(state, {"w": jnp.array([512.0, 2048.0])})
     ({'w': Array([0.5, 2. ], dtype=float32)}, Array(True, dtype=bool))
-    >>> jaxscale.unscale_and_check(state, jnp.array([1.0, jnp.inf], jnp.float16))
-    (Array([0.000977, inf], dtype=float16), Array(False, dtype=bool))
+    >>> jaxscale.unscale_and_check(state, jnp.array([2.0**-20, jnp.inf], jnp.float16))
+    (Array([9.313226e-10, inf], dtype=float32), Array(False, dtype=bool))
   """
   require_state(state, "unscale_and_check")
-  unscaled, finite = unscale_and_check_unnoted(state, grads, axis_name=axis_name)
-  _provenance.note_unscaled(state.scale, [g for g in jax.tree.leaves(unscaled) if _is_floating(g)], finite)
-  return unscaled, finite
+  warn_if_constant(state, grads, "unscale_and_check")
+  return unscale_and_check_unchecked(state, grads, axis_name=axis_name)
 
 
-def unscale_and_check_unnoted(state: ScalerState, grads: Any, *, axis_name: Any = None) -> tuple[Any, jax.Array]:
-  """:func:`unscale_and_check` without noting its results: the wrapper's own unscaling, which
-  hands the gradients to nobody else (see _provenance.py)."""
+def unscale_and_check_unchecked(state: ScalerState, grads: Any, *, axis_name: Any = None) -> tuple[Any, jax.Array]:
+  """:func:`unscale_and_check` for callers that validated ``state`` themselves."""
+  grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) if _is_narrow(g) else g, grads)
   r1, r2 = _reciprocal_factors(state.scale)
   unscaled = jax.tree.map(lambda g: _times(g, r1, r2), grads)
-  # The flag must hold for the unscaled gradients, but it is computed from
-  # the scaled ones as they lie in memory: then XLA reads each buffer once in
-  # the reduction, where a reduction over `unscaled` made it write all the
-  # unscaled gradients out first (an extra gradient-sized buffer and two
-  # extra passes; benchmarks/NOTES.md). The two flags agree: a scale >= 1
-  # only shrinks finite values, and a scale < 1 (the only case where
-  # unscaling can overflow) is a normal number whose exact reciprocal is
-  # probed.
-  probe_factor = jnp.where(state.scale < 1, 1 / state.scale, 0.0)
-  probes = jax.tree.map(lambda g: _times(g, probe_factor), grads)
-  return unscaled, all_finite(probes, axis_name=axis_name) | ~state.enabled
+  # The flag is the check of the unscaled gradients, the very expression the Optax wrapper
+  # computes on the gradients it is given: when they arrive unchanged, XLA merges the two
+  # reductions (common subexpressions), and the step reads the gradients once for both
+  # (benchmarks/NOTES.md #21). inf and NaN survive exact unscaling, and a scale below 1, the only
+  # one that can overflow a finite gradient, is caught here as it should be.
+  return unscaled, all_finite(unscaled, axis_name=axis_name) | ~state.enabled
+
+
+def _is_narrow(x) -> bool:
+  return _is_floating(x) and jnp.finfo(jnp.result_type(x)).bits < 32
 
 
 def _times(x, *factors: jax.Array):
@@ -532,7 +589,7 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
     (512.0, 1)
   """
   require_state(state, "update")
-  finite = _as_flag(finite) & ~state.stalled
+  finite = as_flag(finite) & ~state.stalled
   dynamic = state.dynamic
   hysteresis_left = jnp.where(finite, state.hysteresis_tracker, jnp.maximum(state.hysteresis_tracker - 1, 0))
   tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
@@ -559,7 +616,7 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   return jax.tree.map(lambda n, o: jnp.where(state.enabled, n, o), new, state)
 
 
-def _as_flag(finite: Any) -> jax.Array:
+def as_flag(finite: Any) -> jax.Array:
   """``finite`` as a bool array of shape (); TypeError/ValueError otherwise."""
   dtype = getattr(finite, "dtype", None)
   if dtype is None and isinstance(finite, (bool, np.bool_)):

@@ -13,7 +13,7 @@ class ReferenceScaler:
   OPTIONS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
              "min_scale", "max_scale", "dynamic", "growth_tracker")
 
-  def __init__(self, *, enabled=True, on_stall="skip", init_scale=2.0**16, growth_factor=2.0,
+  def __init__(self, *, enabled=True, on_stall="raise", init_scale=2.0**16, growth_factor=2.0,
                backoff_factor=0.5, growth_interval=2000, hysteresis=1, min_scale=0.0,
                max_scale=float("inf"), dynamic=True):  # torch's defaults, and jaxscale's own
     self.enabled = enabled

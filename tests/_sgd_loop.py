@@ -21,9 +21,8 @@ def run(grads, inner, **options):
 
   @jax.jit
   def step(w, opt_state, g):
-    scaler = jaxscale.find_scaler(opt_state)
-    scaled_grads = jax.grad(lambda w: jaxscale.scale(scaler, jnp.sum(w * g)))(w)
-    updates, opt_state = tx.update(scaled_grads, opt_state, w)
+    _, grads, finite = jaxscale.value_and_grad(lambda w: jnp.sum(w * g))(jaxscale.find_scaler(opt_state), w)
+    updates, opt_state = tx.update(grads, opt_state, w, finite=finite)
     return optax.apply_updates(w, updates), opt_state
 
   trajectory = []

@@ -22,25 +22,3 @@ def x64():
     from jax.experimental import enable_x64
   with enable_x64(True):
     yield
-
-
-# The wrapper warns, at trace time, when it is given gradients without `finite=` although no loss
-# was scaled since its last update (a forgotten `jaxscale.scale`). Tests of its mechanics that feed
-# it hand-made gradients say so with this marker.
-def pytest_configure(config):
-  config.addinivalue_line("markers", "hand_made_gradients: the test feeds the wrapper gradients of no scaled loss")
-
-
-def pytest_collection_modifyitems(items):
-  for item in items:
-    if item.get_closest_marker("hand_made_gradients"):
-      item.add_marker(pytest.mark.filterwarnings("ignore:jaxscale. .dynamic_loss_scaling..s update was given gradients:UserWarning"))
-
-
-@pytest.fixture(autouse=True)
-def nothing_scaled_yet():
-  """Each test starts as a fresh program would: no loss scaled since the wrapper's last update
-  (that warning must not depend on which test ran before)."""
-  from jaxscale import _provenance
-
-  _provenance.forget_scaled_since()

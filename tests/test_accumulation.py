@@ -1,15 +1,19 @@
 """Gradient accumulation and loss scaling, in the orders docs/recipes.md describes.
 
+The wrapper's update takes true gradients (those of `jaxscale.value_and_grad`), so accumulation
+is ordinary Optax or ordinary JAX, done inside the wrapper or before it:
+
 - `dynamic_loss_scaling(MultiSteps(inner, k))`: every micro-batch is checked; an overflowing one
   is dropped alone, the scale backs off at once, and the window closes after k finite ones.
-- accumulating inside the step (`lax.scan` over micro-batches, then one `tx.update`): one check
-  per window; an overflow drops the whole window and the scale backs off once.
-- `MultiSteps(dynamic_loss_scaling(inner), k)`: the same semantics as the scan were intended, but
-  optax's MultiSteps resets its accumulator with `(1 - emit) * acc`, which leaves NaN after an
-  inf, so every later window is skipped too (strict xfail: it will tell us when optax fixes it).
+- accumulating inside the step (`lax.scan` over micro-batches of `value_and_grad`, then one
+  `tx.update`): one check per window; an overflow drops the whole window and the scale backs off
+  once.
+- `MultiSteps(dynamic_loss_scaling(inner), k)`: refused by `find_scaler`, which names the order
+  above. optax's MultiSteps resets its accumulator with `(1 - emit) * acc`, which leaves NaN after
+  an inf, so every later window would be skipped (strict xfail: it tells us when optax fixes it).
 
-The MultiSteps tests feed gradients in directly (true gradients times the current scale, a power
-of two, so exactly), which makes their comparisons with plain accumulation bit for bit.
+The MultiSteps tests feed the true gradients in directly, which makes their comparisons with
+plain accumulation bit for bit.
 """
 
 import jax
@@ -33,21 +37,22 @@ def true_grads(n, *, overflow_at=()):
   return grads
 
 
-def feed(tx, grads, *, scaled):
-  """Feeds micro-batch gradients to `tx` one by one; returns the parameters and scale after each."""
+def feed(tx, grads, *, scaler=None):
+  """Feeds micro-batch gradients to `tx` one by one; returns the parameters and the scale after
+  each (read from the state by `scaler(state)`, if given)."""
   params = {"w": jnp.ones(4)}
   state = tx.init(params)
   update = jax.jit(tx.update)
   history = []
   for g in grads:
-    updates, state = update(jaxscale.scale(jaxscale.find_scaler(state), g) if scaled else g, state, params)
+    updates, state = update(g, state, params)
     params = optax.apply_updates(params, updates)
-    history.append((params, float(jaxscale.find_scaler(state).scale) if scaled else None))
+    history.append((params, float(scaler(state).scale) if scaler else None))
   return history
 
 
 def plain_accumulation(grads):
-  return [params for params, _ in feed(optax.MultiSteps(INNER, K), grads, scaled=False)]
+  return [params for params, _ in feed(optax.MultiSteps(INNER, K), grads)]
 
 
 def assert_params_equal(history, expected):
@@ -58,12 +63,18 @@ ORDERS = {
     "scaling_outside_accumulation": lambda: jaxscale.dynamic_loss_scaling(optax.MultiSteps(INNER, K), init_scale=SCALE),
     "accumulation_outside_scaling": lambda: optax.MultiSteps(jaxscale.dynamic_loss_scaling(INNER, init_scale=SCALE), K),
 }
+# Where each order keeps its scaler: `find_scaler` for the recommended one; the other is read
+# directly, since `find_scaler` refuses it (test_find_scaler_refuses_accumulation_around_the_wrapper).
+SCALERS = {
+    "scaling_outside_accumulation": jaxscale.find_scaler,
+    "accumulation_outside_scaling": lambda state: state.inner_opt_state.scaler,
+}
 
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_without_overflow_both_orders_equal_plain_accumulation(order):
   grads = true_grads(2 * K)
-  history = feed(ORDERS[order](), grads, scaled=True)
+  history = feed(ORDERS[order](), grads, scaler=SCALERS[order])
   assert_params_equal(history, plain_accumulation(grads))
   assert {scale for _, scale in history} == {SCALE}
 
@@ -71,7 +82,8 @@ def test_without_overflow_both_orders_equal_plain_accumulation(order):
 def test_scaling_outside_drops_only_the_overflowing_micro_batch():
   # Window 2 is micro-batches 3, 4, 5; 4 overflows, so the window closes on micro-batch 6.
   grads = true_grads(3 * K, overflow_at=[K + 1])
-  history = feed(ORDERS["scaling_outside_accumulation"](), grads, scaled=True)
+  order = "scaling_outside_accumulation"
+  history = feed(ORDERS[order](), grads, scaler=SCALERS[order])
   # Exactly plain accumulation of the same stream with micro-batch 4 removed.
   expected = plain_accumulation(grads[: K + 1] + grads[K + 2 :])
   assert_params_equal(history[: K + 1] + history[K + 2 :], expected)
@@ -86,11 +98,18 @@ def test_scaling_outside_drops_only_the_overflowing_micro_batch():
 )
 def test_accumulation_outside_drops_the_window():
   grads = true_grads(3 * K, overflow_at=[K + 1])
-  history = feed(ORDERS["accumulation_outside_scaling"](), grads, scaled=True)
+  order = "accumulation_outside_scaling"
+  history = feed(ORDERS[order](), grads, scaler=SCALERS[order])
   # Window 2 is dropped whole, the scale backs off at its end, window 3 trains normally.
   expected = plain_accumulation(grads[:K] + grads[2 * K :])
   assert_params_equal(history[:K] + history[2 * K :], expected)
   assert [scale for _, scale in history] == [SCALE] * (2 * K - 1) + [SCALE / 2] * (K + 1)
+
+
+def test_find_scaler_refuses_accumulation_around_the_wrapper():
+  state = ORDERS["accumulation_outside_scaling"]().init({"w": jnp.ones(4)})
+  with pytest.raises(ValueError, match=r"Accumulate inside the wrapper, `dynamic_loss_scaling\(optax.MultiSteps\(inner, k\)\)`"):
+    jaxscale.find_scaler(state)
 
 
 def loss_fn(params, batch):
@@ -99,19 +118,21 @@ def loss_fn(params, batch):
 
 
 def windowed_step(tx, *, scaled):
-  """One optimizer step on K micro-batches, accumulated inside the step by `lax.scan`."""
+  """One optimizer step on K micro-batches, accumulated inside the step by `lax.scan`: the true
+  gradients of `value_and_grad` add up, and so do their flags (plain `jax.grad` when not `scaled`)."""
 
   def step(params, opt_state, microbatches):
-    scaler = jaxscale.find_scaler(opt_state) if scaled else None
+    def add(carry, mb):
+      total, finite = carry
+      if scaled:
+        _, grads, ok = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params, mb)
+      else:
+        grads, ok = jax.grad(loss_fn)(params, mb), jnp.array(True)
+      return (jax.tree.map(jnp.add, total, grads), finite & ok), None
 
-    def objective(p, mb):
-      return jaxscale.scale(scaler, loss_fn(p, mb)) if scaled else loss_fn(p, mb)
-
-    def add(total, mb):
-      return jax.tree.map(jnp.add, total, jax.grad(objective)(params, mb)), None
-
-    total, _ = jax.lax.scan(add, jax.tree.map(jnp.zeros_like, params), microbatches)
-    updates, opt_state = tx.update(jax.tree.map(lambda g: g / K, total), opt_state, params)
+    (total, finite), _ = jax.lax.scan(add, (jax.tree.map(jnp.zeros_like, params), jnp.array(True)), microbatches)
+    mean = jax.tree.map(lambda g: g / K, total)
+    updates, opt_state = tx.update(mean, opt_state, params, **({"finite": finite} if scaled else {}))
     return optax.apply_updates(params, updates), opt_state
 
   return jax.jit(step)

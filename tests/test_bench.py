@@ -48,7 +48,6 @@ def _one_step(variant, grads=None):
   return before[0], jax.device_get(params), before[1], jax.device_get(state)
 
 
-@pytest.mark.hand_made_gradients  # the benchmark times the update on given scaled gradients
 @pytest.mark.parametrize("variant", SCALED)
 def test_a_finite_step_matches_the_unscaled_twin(variant):
   _require(variant)
@@ -59,7 +58,6 @@ def test_a_finite_step_matches_the_unscaled_twin(variant):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.hand_made_gradients  # the benchmark times the update on given scaled gradients
 @pytest.mark.parametrize("variant", SCALED)
 def test_an_inf_step_is_skipped_and_the_scale_backs_off(variant):
   _require(variant)
@@ -71,7 +69,6 @@ def test_an_inf_step_is_skipped_and_the_scale_backs_off(variant):
   assert float(bench._current_scale(new_state)) == float(bench._current_scale(state)) / 2
 
 
-@pytest.mark.hand_made_gradients  # the benchmark times the update on given scaled gradients
 def test_the_quick_page_data_and_chart_are_written(tmp_path):
   pytest.importorskip("matplotlib")
   variants = ["plain", "jaxscale"]
@@ -100,7 +97,6 @@ def test_the_quick_page_data_and_chart_are_written(tmp_path):
   assert (tmp_path / "benchmarks.png").stat().st_size > 0
 
 
-@pytest.mark.hand_made_gradients
 def test_the_mpx_lm_step_steps_like_jaxscales():
   pytest.importorskip("mpx")
   builders = bench.lm_builders("adam", 16, 1, ["jaxscale", "mpx"], seq_len=8, batch=2, heads=2)

@@ -195,15 +195,14 @@ def extra_args(name, params):
 
 
 def steps(name, tx, inner):
-  """Jitted training steps of the wrapped ``tx`` (gradients of the scaled loss, one leaf poisoned
-  with 0, inf or NaN) and of ``inner`` alone (true gradients)."""
+  """Jitted training steps of the wrapped ``tx`` (the true gradients of ``jaxscale.value_and_grad``,
+  one leaf poisoned with 0, inf or NaN) and of ``inner`` alone (true gradients of ``jax.grad``)."""
 
   @jax.jit
   def wrapped_step(params, state, poison):
-    scaler = jaxscale.find_scaler(state)
-    grads = jax.grad(lambda p: jaxscale.scale(scaler, loss_fn(p)))(params)
+    _, grads, finite = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(state), params)
     grads = {**grads, "b": grads["b"].at[1].add(poison)}  # poison: 0, inf or NaN
-    updates, state = tx.update(grads, state, params, **extra_args(name, params))
+    updates, state = tx.update(grads, state, params, finite=finite, **extra_args(name, params))
     return optax.apply_updates(params, updates), state
 
   @jax.jit

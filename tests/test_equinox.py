@@ -2,7 +2,9 @@
 
 The recipe is Equinox's own (`eqx.filter_value_and_grad`, `tx.update(grads, opt_state,
 eqx.filter(model, eqx.is_array))`, `eqx.apply_updates`) with `dynamic_loss_scaling` as the
-optimizer and the loss scaled, either by `jaxscale.equinox.filter_value_and_grad` or by hand.
+optimizer and the gradient line `jaxscale.equinox.filter_value_and_grad`, which hands back the
+true gradients (or the same by hand: `jaxscale.scale` -> `eqx.filter_grad` ->
+`jaxscale.unscale_and_check`).
 Its reference is the same loop with the unwrapped optimizer on the true gradients, stepping only
 on the finite batches, and a plain-Python model of the scale rule.
 """
@@ -70,12 +72,15 @@ def jaxscale_step(tx, loss_fn=loss_fn, recipe="helper"):
   @eqx.filter_jit
   def step(model, opt_state, x, y):
     scaler = jaxscale.find_scaler(opt_state)
-    if recipe == "helper":
-      _, grads, finite = jaxscale.equinox.filter_value_and_grad(loss_fn)(scaler, model, x, y)
-      updates, opt_state = tx.update(grads, opt_state, params(model), finite=finite)
-    else:  # Equinox's own gradient of the scaled loss: the wrapper unscales and checks
+    if recipe == "by_hand":  # Equinox's own gradient of the scaled loss, unscaled and checked by hand
       grads = eqx.filter_grad(lambda m: jaxscale.scale(scaler, loss_fn(m, x, y)))(model)
+      grads, finite = jaxscale.unscale_and_check(scaler, grads)
+    else:
+      _, grads, finite = jaxscale.equinox.filter_value_and_grad(loss_fn)(scaler, model, x, y)
+    if recipe == "no_flag":  # true gradients: the wrapper checks them itself
       updates, opt_state = tx.update(grads, opt_state, params(model))
+    else:
+      updates, opt_state = tx.update(grads, opt_state, params(model), finite=finite)
     return eqx.apply_updates(model, updates), opt_state, jaxscale.metrics(opt_state)
 
   return step
@@ -136,7 +141,7 @@ INNER = {
 
 
 @pytest.mark.parametrize("inner", INNER)
-@pytest.mark.parametrize("recipe", ["helper", "scale_by_hand"])
+@pytest.mark.parametrize("recipe", ["helper", "no_flag", "by_hand"])
 def test_training_matches_the_unwrapped_optimizer_on_true_gradients(recipe, inner):
   make_inner, rtol = INNER[inner]
   data = batches()
@@ -177,10 +182,10 @@ def test_the_step_compiles_once_as_the_scale_changes():
 
 def test_a_skipped_step_leaves_the_float16_models_arrays_bit_for_bit():
   # A float16 model, float16 compute, and a scale that overflows float16 until it has backed off.
-  # Float16 parameters take the recipe the helper's refusal names: master weights, scaled gradients.
+  # Float16 parameters: the helper hands back float32 gradients, and master weights keep a float32 copy.
   model = jaxscale.get_policy("float16").cast_to_param(make_model())
   tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.adam(LR), init_scale=2.0**40))
-  step = jaxscale_step(tx, lambda m, x, y: loss_fn(m, x.astype(jnp.float16), y.astype(jnp.float16)), recipe="scaled")
+  step = jaxscale_step(tx, lambda m, x, y: loss_fn(m, x.astype(jnp.float16), y.astype(jnp.float16)))
   opt_state = tx.init(params(model))
   x, y = batches(steps=1, bad={})[0]
   skipped = 0
@@ -199,12 +204,22 @@ def test_a_skipped_step_leaves_the_float16_models_arrays_bit_for_bit():
   assert all(changed)  # the first finite step moved every array
 
 
-def test_the_helper_refuses_float16_gradients_and_names_the_master_weights_recipe():
-  # Unscaled in float16, true gradients below 2**-24 would flush to zero: refused, as torch does.
+def test_the_helper_casts_float16_gradients_to_float32_before_it_unscales_them():
+  # Unscaled in float16, true gradients below 2**-24 would flush to zero: the helper casts first.
   model = jaxscale.get_policy("float16").cast_to_param(make_model())
   x, y = (a.astype(jnp.float16) for a in batches(steps=1, bad={})[0])
-  with pytest.raises(ValueError, match="float16 gradients .*jaxscale.master_weights"):
-    jaxscale.equinox.filter_value_and_grad(loss_fn)(jaxscale.init(init_scale=1024.0), model, x, y)
+  scale = 2.0**14
+  tiny = lambda m, x, y: loss_fn(m, x, y) * jnp.float16(2.0**-20)  # true gradients around 2**-27
+  _, grads, finite = jaxscale.equinox.filter_value_and_grad(tiny)(jaxscale.init(init_scale=scale), model, x, y)
+  assert bool(finite)
+  # The reference: Equinox's float16 gradients of the scaled loss, divided by the scale in float64.
+  scaled = eqx.filter_grad(lambda m: tiny(m, x, y) * jnp.float16(scale))(model)
+  for g, want in zip(jax.tree.leaves(grads), jax.tree.leaves(scaled), strict=True):
+    assert g.dtype == jnp.float32
+    # Dividing by a power of two is exact, and every float16 value is a float32.
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(want, np.float64) / scale)
+  smallest = min(float(np.min(np.abs(g[g != 0]))) for g in jax.tree.leaves(grads) if np.any(g != 0))
+  assert smallest < 2.0**-24  # below float16's smallest subnormal: only float32 holds it
 
 
 # ------------------------------------------------------------------ the helper
@@ -252,12 +267,15 @@ def test_helper_with_axis_name_makes_every_device_agree():
   (x, y), (bad_x, _) = batches(steps=3, bad={1: "inf input"})[:2]
   xs, ys = jnp.stack([x, bad_x]), jnp.stack([y, y])  # device 1's batch holds an inf
 
-  def per_device(x, y, axis_name):
-    vg = jaxscale.equinox.filter_value_and_grad(loss_fn, axis_name=axis_name)
-    return vg(jaxscale.init(), model, x, y)[2]
+  # One scaler per device, passed in (a scaler built inside the mapped function would be a constant).
+  scalers = jax.tree.map(lambda a: jnp.stack([a, a]), jaxscale.init())
 
-  assert jax.vmap(lambda x, y: per_device(x, y, "devices"), axis_name="devices")(xs, ys).tolist() == [False, False]
-  assert jax.vmap(lambda x, y: per_device(x, y, None))(xs, ys).tolist() == [True, False]
+  def per_device(scaler, x, y, axis_name):
+    vg = jaxscale.equinox.filter_value_and_grad(loss_fn, axis_name=axis_name)
+    return vg(scaler, model, x, y)[2]
+
+  assert jax.vmap(lambda *a: per_device(*a, "devices"), axis_name="devices")(scalers, xs, ys).tolist() == [False, False]
+  assert jax.vmap(lambda *a: per_device(*a, None))(scalers, xs, ys).tolist() == [True, False]
 
 
 def test_helper_with_has_aux_and_no_pair_says_so():
@@ -332,7 +350,7 @@ def test_mixed_precision_with_a_float32_model():
 def test_master_weights_keep_a_float16_equinox_model_float16():
   model = jaxscale.get_policy("float16").cast_to_param(make_model())
   tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.adam(LR), init_scale=2.0**10))
-  step = jaxscale_step(tx, lambda m, x, y: loss_fn(m, x.astype(jnp.float16), y.astype(jnp.float16)), recipe="scaled")
+  step = jaxscale_step(tx, lambda m, x, y: loss_fn(m, x.astype(jnp.float16), y.astype(jnp.float16)))
   opt_state = tx.init(params(model))
   for x, y in batches(steps=2, bad={}):
     model, opt_state, _ = step(model, opt_state, x, y)

@@ -30,8 +30,6 @@ def problem():
   return params, tx, tx.init(params)
 
 
-@pytest.mark.filterwarnings("ignore:jaxscale. .dynamic_loss_scaling. was given float16 gradients:UserWarning")
-@pytest.mark.hand_made_gradients
 def test_a_returned_gradient_that_overflowed_in_its_cast_skips_the_step(problem):
   params, tx, state = problem
 
@@ -48,8 +46,6 @@ def test_a_returned_gradient_that_overflowed_in_its_cast_skips_the_step(problem)
   jax.tree.map(np.testing.assert_array_equal, new_state.inner_state, state.inner_state)
 
 
-@pytest.mark.filterwarnings("ignore:jaxscale. .dynamic_loss_scaling. was given float16 gradients:UserWarning")
-@pytest.mark.hand_made_gradients
 def test_a_gradient_kept_inside_the_step_never_corrupts_the_parameters(problem):
   """Not returned, the cast may be folded: skipped or taken, the step must be consistent."""
   params, tx, state = problem

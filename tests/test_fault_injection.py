@@ -58,14 +58,10 @@ def mse(params, x, y):
 @jax.jit
 def train_step(params, opt_state, x, y, loss_factor, grad_poison):
   tx = make_tx()
-  scaler = jaxscale.find_scaler(opt_state)
-
-  def scaled_loss(p):
-    return jaxscale.scale(scaler, mse(p, x, y)) * loss_factor
-
-  grads = jax.grad(scaled_loss)(params)
-  grads = jax.tree.map(jnp.add, grads, grad_poison)
-  updates, opt_state = tx.update(grads, opt_state, params)
+  loss_fn = lambda p: mse(p, x, y) * loss_factor
+  _, grads, finite = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params)
+  grads = jax.tree.map(jnp.add, grads, grad_poison)  # a fault after the gradient site
+  updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
   return optax.apply_updates(params, updates), opt_state, updates
 
 

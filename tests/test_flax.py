@@ -55,7 +55,7 @@ class LinenMLP(nn.Module):
     return nn.Dense(OUT, **kw)(nn.relu(nn.Dense(HIDDEN, **kw)(x)))
 
 
-@pytest.mark.parametrize("recipe", ["scaled_grads", "value_and_grad"])
+@pytest.mark.parametrize("recipe", ["apply_gradients", "finite_flag", "by_hand"])
 def test_linen_train_state(recipe):
   model = LinenMLP()
   x0, _ = next(batches())
@@ -72,10 +72,15 @@ def test_linen_train_state(recipe):
   def train_step(state, x, y):
     scaler = jaxscale.find_scaler(state.opt_state)
     loss_fn = lambda params: mse(state.apply_fn(params, x), y)
-    if recipe == "scaled_grads":  # apply_gradients unscales and checks
+    if recipe == "apply_gradients":  # true gradients; tx.update checks them itself
+      loss, grads, _ = jaxscale.value_and_grad(loss_fn)(scaler, state.params)
+      return state.apply_gradients(grads=grads), loss
+    if recipe == "by_hand":  # the gradient site written out
       grads = jax.grad(lambda p: jaxscale.scale(scaler, loss_fn(p)))(state.params)
-      return state.apply_gradients(grads=grads), loss_fn(state.params)
-    loss, grads, finite = jaxscale.value_and_grad(loss_fn)(scaler, state.params)
+      grads, finite = jaxscale.unscale_and_check(scaler, grads)
+      loss = loss_fn(state.params)
+    else:
+      loss, grads, finite = jaxscale.value_and_grad(loss_fn)(scaler, state.params)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params, finite=finite)
     params = optax.apply_updates(state.params, updates)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), loss
@@ -103,7 +108,7 @@ class NNXMLP(nnx.Module):
     return self.out(nnx.relu(self.hidden(x)))
 
 
-@pytest.mark.parametrize("recipe", ["scaled_grads", "value_and_grad"])
+@pytest.mark.parametrize("recipe", ["finite_flag", "no_flag"])
 def test_nnx_optimizer(recipe):
   model = NNXMLP(nnx.Rngs(0))
   tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-2), init_scale=INIT_SCALE)
@@ -114,12 +119,11 @@ def test_nnx_optimizer(recipe):
   def train_step(model, optimizer, x, y):
     scaler = jaxscale.find_scaler(optimizer.opt_state)
     loss_fn = lambda model: mse(model(x), y)
-    if recipe == "scaled_grads":  # update unscales and checks
-      loss = loss_fn(model)
-      optimizer.update(model, nnx.grad(lambda m: jaxscale.scale(scaler, loss_fn(m)))(model))
-      return loss
     loss, grads, finite = jaxscale.flax.value_and_grad(loss_fn)(scaler, model)
-    optimizer.update(model, grads, finite=finite)
+    if recipe == "no_flag":  # true gradients: tx.update checks them itself
+      optimizer.update(model, grads)
+    else:
+      optimizer.update(model, grads, finite=finite)
     return loss
 
   params = lambda: jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -157,15 +161,15 @@ def test_find_scaler_in_every_nnx_view_gives_plain_arrays():
   assert float(scaled(optimizer, jnp.float32(0.5))) == 2.0**8
 
 
-# --- gradients that jaxscale.value_and_grad already unscaled ---------------------------------------
+# --- the true gradients of jaxscale.value_and_grad, in Flax's own update calls -----------------------
 
 
 def quadratic(params):
   return jnp.sum(params["w"] ** 2)
 
 
-def test_train_state_with_value_and_grad_unscales_once():
-  # `apply_gradients` cannot pass `finite=`: the unscaled gradients bring their flag with them.
+def test_train_state_with_value_and_grad_is_plain_sgd_on_the_true_gradients():
+  # `apply_gradients` cannot pass `finite=`, and loses nothing: the wrapper checks the gradients.
   params = {"w": jnp.array([1.0, -2.0, 3.0])}
   tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=INIT_SCALE)
   state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
@@ -181,7 +185,7 @@ def test_train_state_with_value_and_grad_unscales_once():
   assert int(jaxscale.find_scaler(state.opt_state).growth_tracker) == 1
 
 
-def test_nnx_optimizer_with_value_and_grad_unscales_once():
+def test_nnx_optimizer_with_value_and_grad_is_plain_sgd_on_the_true_gradients():
   model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, jaxscale.dynamic_loss_scaling(optax.sgd(0.5), init_scale=INIT_SCALE), wrt=nnx.Param)
   bias = model.bias[...]
@@ -196,9 +200,10 @@ def test_nnx_optimizer_with_value_and_grad_unscales_once():
   np.testing.assert_array_equal(model.bias[...], bias - 0.5)  # d(sum)/d(bias) = 1
 
 
-def test_train_state_with_transformed_unscaled_gradients_is_an_error():
+def test_train_state_with_gradients_clipped_by_hand_trains_on_the_clipped_true_gradients():
+  # Under the old contract these were scaled gradients clipped by hand: no learning.
   params = {"w": jnp.array([1.0, -2.0, 3.0])}
-  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1))
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=INIT_SCALE)
   state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
 
   @jax.jit
@@ -208,21 +213,23 @@ def test_train_state_with_transformed_unscaled_gradients_is_an_error():
     grads = jax.tree.map(lambda g: jnp.clip(g, -1.0, 1.0), grads)  # clipped by hand
     return state.apply_gradients(grads=grads)
 
-  with pytest.raises(ValueError, match="a second time.*finite=finite"):
-    step(state)
+  state = step(state)
+  # Plain SGD on the clipped gradient of sum(w**2), 2w: [2, -4, 6] clipped to [1, -1, 1]; exact
+  # (the scale is a power of two, and 0.1 * 1 rounds as it does in the reference).
+  np.testing.assert_array_equal(state.params["w"], params["w"] - 0.1 * jnp.array([1.0, -1.0, 1.0]))
 
 
-def test_train_state_forgetting_to_scale_the_loss_warns_at_trace_time():
+def test_train_state_with_a_scaler_found_outside_the_step_warns_at_trace_time():
   params = {"w": jnp.array([1.0, -2.0, 3.0])}
   state = train_state.TrainState.create(apply_fn=None, params=params, tx=jaxscale.dynamic_loss_scaling(optax.sgd(0.1)))
+  scaler = jaxscale.find_scaler(state.opt_state)  # outside the step: a constant of it
 
   @jax.jit
   def step(state):
-    return state.apply_gradients(grads=jax.grad(quadratic)(state.params))  # no jaxscale.scale
+    _, grads, _ = jaxscale.value_and_grad(quadratic)(scaler, state.params)
+    return state.apply_gradients(grads=grads)
 
-  # A first, right update: a loss scaled anywhere since the last update silences the check.
-  state.tx.update(jaxscale.scale(jaxscale.find_scaler(state.opt_state), params), state.opt_state)
-  with pytest.warns(UserWarning, match="no loss was multiplied by this optimizer's scale"):
+  with pytest.warns(UserWarning, match=r"constant of the traced computation.*jaxscale.find_scaler\(opt_state\)"):
     step(state)
 
 

@@ -134,7 +134,6 @@ def test_sixteen_bit_training_state_bytes_per_parameter(method, most):
   assert float32_adam == 12.0
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("method", ["kahan", "stochastic_rounding"])
 def test_composition_skips_bit_for_bit_under_jit_with_donation(method):
   tx = sixteen_bit_adam(method)
@@ -168,7 +167,6 @@ def without_scaler(tree):
   return jax.tree.map(lambda x: None if is_scaler(x) else x, tree, is_leaf=is_scaler)
 
 
-@pytest.mark.hand_made_gradients
 def test_a_scaler_inside_keeps_the_stored_state_and_the_key():
   tx = jaxscale.low_precision_state(jaxscale.dynamic_loss_scaling(optax.adam(1e-3)))
   params = jnp.ones(8)
@@ -179,7 +177,6 @@ def test_a_scaler_inside_keeps_the_stored_state_and_the_key():
   assert bits(without_scaler(skipped)) == bits(without_scaler(state))  # the stored moments and the key
 
 
-@pytest.mark.hand_made_gradients
 def test_orbax_round_trip_continues_bit_for_bit(tmp_path):
   import orbax.checkpoint as ocp
 
@@ -239,7 +236,6 @@ def tiny_nnx_model(param_dtype):
   return Model(nnx.Rngs(0))
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("build, param_dtype", [
     (lambda: jaxscale.low_precision_state(optax.adam(1e-3), dtype=jnp.float16), jnp.float32),
     (lambda: sixteen_bit_adam("kahan"), jnp.float16),

@@ -47,7 +47,6 @@ def run(tx, params, grads_of, steps=STEPS):
   return history, step
 
 
-@pytest.mark.hand_made_gradients
 def test_equals_float32_reference_run_bit_for_bit():
   params = f16_params()
   tx = jaxscale.master_weights(make_inner())
@@ -95,7 +94,6 @@ def bits(tree):
   return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("method", METHODS)
 def test_skipped_step_leaves_everything_bitwise(method):
   params = f16_params()
@@ -112,7 +110,6 @@ def test_skipped_step_leaves_everything_bitwise(method):
     assert bits(before) != bits(older) and bits(state_before._replace(inner_state=None)) != bits(state_older._replace(inner_state=None))
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("method, comes_back_to", [("float32", 64000.0), ("kahan", 64000.0), ("stochastic_rounding", 63504.0)])
 def test_a_parameter_beyond_the_range_saturates_and_comes_back(method, comes_back_to):
   """A float16 parameter whose value leaves the range is held at 65504, not inf: a skipped step
@@ -226,7 +223,6 @@ def test_stochastic_rounding_draws_new_numbers_each_step():
   assert not np.array_equal(first, second)
 
 
-@pytest.mark.hand_made_gradients
 def test_gradients_below_float16_subnormals_reach_the_master():
   """True gradients of 2**-30 exist in float16 only scaled; a float32 unscale keeps them."""
   true_grad = 2.0**-30 * jnp.arange(1, 5, dtype=jnp.float32)
@@ -249,7 +245,6 @@ def test_wrong_nesting_is_refused():
     wrong.init({"w": jnp.ones(3, jnp.float16)})
 
 
-@pytest.mark.hand_made_gradients
 def test_inside_chain_and_found_by_find_scaler():
   params = {"w": jnp.ones(3, jnp.float16)}
   tx = optax.chain(jaxscale.master_weights(make_inner()))
@@ -327,7 +322,6 @@ def test_a_step_too_far_for_16_bits_lands_within_an_ulp_of_its_size():
   assert optax.apply_updates(p, updates) == target
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("method", METHODS)
 def test_orbax_round_trip(tmp_path, method):
   import orbax.checkpoint as ocp
@@ -424,7 +418,6 @@ def test_equinox_apply_updates_keeps_a_float16_model_float16(method):
     assert bits(arrays) == bits(by_optax)
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("method", METHODS)
 def test_jit_with_donation(method):
   params = f16_params()

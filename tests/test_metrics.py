@@ -11,7 +11,6 @@ import jaxscale
 KEYS = {"scale", "growth_tracker", "hysteresis_tracker", "skipped_steps", "last_skipped", "stalled"}
 
 
-@pytest.mark.hand_made_gradients
 def test_metrics_under_jit_without_host_transfer():
   tx = optax.chain(jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=8.0, growth_interval=2))
   params = jnp.ones(3)

@@ -235,10 +235,11 @@ def test_jmp_min_loss_scale_defaults_to_1():
 
 def test_jmp_unscale_returns_float32_for_float16_gradients():
   jmp = pytest.importorskip("jmp")
-  grads = jnp.full(3, 1024.0, jnp.float16)
-  assert jmp.DynamicLossScale(jnp.float32(1024.0)).unscale(grads).dtype == jnp.float32
+  grads = jnp.full(3, 2.0**-20, jnp.float16)  # a float16 subnormal: the true gradient, 2**-30, is not one
+  theirs = jmp.DynamicLossScale(jnp.float32(1024.0)).unscale(grads)
   unscaled, _ = jaxscale.unscale_and_check(jaxscale.init(init_scale=1024.0), grads)
-  assert unscaled.dtype == jnp.float16 and float(unscaled[0]) == 1.0
+  assert theirs.dtype == unscaled.dtype == jnp.float32
+  assert float(theirs[0]) == float(unscaled[0]) == 2.0**-30
 
 
 def test_jmp_unscale_flushes_to_zero_at_2_pow_127():
@@ -338,11 +339,12 @@ def test_flax_casts_gradients_to_float32():
   w = jnp.ones(2, jnp.float16)
   _, _, _, grads = DynamicScale(scale=1024.0).value_and_grad(lambda w: jnp.sum(w**2))(w)
   assert grads.dtype == jnp.float32
-  # jaxscale refuses to unscale float16 gradients (they would flush to zero); bfloat16 ones keep their dtype.
-  with pytest.raises(ValueError, match="float16 gradients"):
-    jaxscale.value_and_grad(lambda w: jnp.sum(w**2))(jaxscale.init(init_scale=1024.0), w)
-  _, grads, _ = jaxscale.value_and_grad(lambda w: jnp.sum(w**2))(jaxscale.init(init_scale=1024.0), w.astype(jnp.bfloat16))
-  assert grads.dtype == jnp.bfloat16
+  # jaxscale casts the gradients of float16 and bfloat16 parameters, and keeps float32 ones.
+  vg = jaxscale.value_and_grad(lambda w: jnp.sum(w.astype(jnp.float32) ** 2))
+  for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
+    _, ours, _ = vg(jaxscale.init(init_scale=1024.0), w.astype(dtype))
+    assert ours.dtype == jnp.float32
+    np.testing.assert_array_equal(ours, grads)  # 2 * w: exact in every dtype
 
 
 def test_flax_dynamic_scale_compiles_the_step_twice():
@@ -368,8 +370,9 @@ def test_flax_axis_name_also_averages_the_gradients():
   loss_fn = lambda w, x: jnp.sum(w * x)
   flax = jax.vmap(lambda x: DynamicScale().value_and_grad(loss_fn, axis_name="d")(w, x)[3], axis_name="d")
   np.testing.assert_array_equal(jax.jit(flax)(xs), [[2.0, 4.0], [2.0, 4.0]])  # the mean
-  ours = jax.vmap(lambda x: jaxscale.value_and_grad(loss_fn, axis_name="d")(jaxscale.init(), w, x)[1], axis_name="d")
-  np.testing.assert_array_equal(jax.jit(ours)(xs), xs)  # each device's own: average them yourself
+  scalers = jax.tree.map(lambda a: jnp.stack([a, a]), jaxscale.init())  # one per device, passed in
+  ours = jax.vmap(lambda s, x: jaxscale.value_and_grad(loss_fn, axis_name="d")(s, w, x)[1], axis_name="d")
+  np.testing.assert_array_equal(jax.jit(ours)(scalers, xs), xs)  # each device's own: average them yourself
 
 
 # ------------------------------------------------------------------ Keras 3 LossScaleOptimizer
@@ -408,7 +411,6 @@ def test_apply_if_finite_gives_up_after_max_consecutive_errors():
   np.testing.assert_array_equal(ours[-1][-1], np.ones(3))  # skipped, however many in a row
 
 
-@pytest.mark.hand_made_gradients
 def test_apply_if_finite_skipped_update_turns_minus_zero_into_zero():
   g, w = jnp.array([jnp.nan, 1.0]), jnp.array([-0.0, 1.0])
   theirs = optax.apply_if_finite(optax.sgd(LR), max_consecutive_errors=5)
@@ -419,7 +421,6 @@ def test_apply_if_finite_skipped_update_turns_minus_zero_into_zero():
   assert np.signbit(optax.apply_updates(w, updates)[0])  # bit for bit unchanged
 
 
-@pytest.mark.hand_made_gradients
 def test_apply_if_finite_counters_are_the_scaler_counters():
   tx = optax.apply_if_finite(optax.sgd(LR), max_consecutive_errors=100)
   ours = jaxscale.dynamic_loss_scaling(optax.sgd(LR), init_scale=1.0, dynamic=False)
@@ -434,13 +435,47 @@ def test_apply_if_finite_counters_are_the_scaler_counters():
     assert bool(state.last_finite) == (not bool(scaler.last_skipped))
 
 
+def test_apply_if_finite_around_the_wrapper_is_refused():
+  # optax's apply_if_finite keeps its inner state on a non-finite step: the scaler's back-off with it.
+  around = optax.apply_if_finite(jaxscale.dynamic_loss_scaling(optax.sgd(LR), init_scale=2.0**10), 5)
+  w = jnp.ones(3)
+  state = around.init(w)
+  _, state = around.update(jnp.array([1.0, jnp.inf, 1.0]), state, w)
+  assert float(state.inner_state.scaler.scale) == 2.0**10  # the back-off to 2**9 was thrown away
+  with pytest.raises(ValueError, match=r"apply_if_finite.*Drop `apply_if_finite`"):
+    jaxscale.find_scaler(state)
+
+
 # ------------------------------------------------------------------ torch.amp.GradScaler
 
 
-def test_torch_unscale_and_clip_matches_clipping_inside_to_rounding():
+def run_jaxscale_clip_in_front(grads, clip, **options):
+  """The "after" loop with the clip where an Optax user puts it: in front of the wrapper."""
+  tx = optax.chain(optax.clip_by_global_norm(clip), jaxscale.dynamic_loss_scaling(optax.sgd(LR), **options))
+
+  @jax.jit
+  def step(w, opt_state, g):
+    _, grads, finite = jaxscale.value_and_grad(linear_loss)(jaxscale.find_scaler(opt_state), w, g)
+    updates, opt_state = tx.update(grads, opt_state, w, finite=finite)
+    return optax.apply_updates(w, updates), opt_state
+
+  w = jnp.ones(grads.shape[1], jnp.float32)
+  opt_state, trajectory = tx.init(w), []
+  for g in grads:
+    w, opt_state = step(w, opt_state, g)
+    scaler = jaxscale.find_scaler(opt_state)
+    trajectory.append((float(scaler.scale), int(scaler.growth_tracker), np.asarray(w)))
+  return trajectory
+
+
+@pytest.mark.parametrize("where", ["inside", "in_front"])
+def test_torch_unscale_and_clip_matches_clipping_to_rounding(where):
   torch_run = run_torch(GRADS * 64, clip=1.0)  # large enough that every step clips
-  ours = run_jaxscale(GRADS * 64, inner=optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(LR)),
-                      init_scale=2.0**16, growth_interval=INTERVAL)
+  options = dict(init_scale=2.0**16, growth_interval=INTERVAL)
+  if where == "inside":
+    ours = run_jaxscale(GRADS * 64, inner=optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(LR)), **options)
+  else:
+    ours = run_jaxscale_clip_in_front(GRADS * 64, 1.0, **options)
   assert [s for s, *_ in torch_run] == [s for s, *_ in ours]
   for (*_, t_w), (*_, o_w) in zip(torch_run, ours):
     np.testing.assert_allclose(o_w, t_w, rtol=1e-6)
@@ -468,8 +503,8 @@ def test_torch_several_optimizers_each_skip_on_their_own():
                                      init_scale=2.0**10)
   state = tx.init(params)
   loss = lambda p: linear_loss(p["a"], g_a) + linear_loss(p["b"], g_b)
-  grads = jax.grad(lambda p: jaxscale.scale(jaxscale.find_scaler(state), loss(p)))(params)
-  updates, state = tx.update(grads, state, params)
+  _, grads, finite = jaxscale.value_and_grad(loss)(jaxscale.find_scaler(state), params)
+  updates, state = tx.update(grads, state, params, finite=finite)
   new = optax.apply_updates(params, updates)
   np.testing.assert_array_equal(new["a"], np.ones(2))  # one wrapper: one decision, both skip
   assert float(jaxscale.find_scaler(state).scale) == 2.0**9
@@ -509,10 +544,11 @@ def test_torch_gradient_accumulation_matches_accumulating_inside_the_step():
 
   @jax.jit
   def step(w, opt_state, window):
-    scaler = jaxscale.find_scaler(opt_state)
-    grad_fn = jax.grad(lambda w, g: jaxscale.scale(scaler, linear_loss(w, g) / k))
-    total = sum(grad_fn(w, g) for g in window)
-    updates, opt_state = tx.update(total, opt_state, w)
+    grad_fn = jaxscale.value_and_grad(lambda w, g: linear_loss(w, g) / k)
+    results = [grad_fn(jaxscale.find_scaler(opt_state), w, g) for g in window]
+    total = sum(grads for _, grads, _ in results)
+    finite = functools.reduce(jnp.logical_and, [ok for *_, ok in results])
+    updates, opt_state = tx.update(total, opt_state, w, finite=finite)
     return optax.apply_updates(w, updates), opt_state
 
   ours = []
@@ -542,7 +578,9 @@ def test_torch_gradient_penalty_recipe_matches():
   tx = jaxscale.dynamic_loss_scaling(optax.sgd(LR), init_scale=2.0**10)
   params = jnp.ones(3)
   opt_state = tx.init(params)
-  for _ in range(2):
+
+  @jax.jit
+  def step(params, opt_state):  # docs/migrating/torch.md's `penalty_step`
     scaler = jaxscale.find_scaler(opt_state)
 
     def penalized(p):
@@ -550,8 +588,12 @@ def test_torch_gradient_penalty_recipe_matches():
       return loss(p) + lam * jnp.sum(inner**2)
 
     grads = jax.grad(lambda p: jaxscale.scale(scaler, penalized(p)))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    grads, finite = jaxscale.unscale_and_check(scaler, grads)
+    updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
+    return optax.apply_updates(params, updates), opt_state
+
+  for _ in range(2):
+    params, opt_state = step(params, opt_state)
   np.testing.assert_allclose(params, w.detach().numpy(), rtol=1e-6)
 
 
@@ -587,8 +629,10 @@ def test_torch_refuses_to_unscale_float16_gradients():
   scaler.scale(w.float().sum()).backward()
   with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
     scaler.unscale_(opt)
-  grads, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=2.0**10), jnp.full(2, 2.0**10, jnp.float16))
-  assert grads.dtype == jnp.float16 and bool(finite)
+  # jaxscale casts them to float32 first: a true gradient of 2**-30 (below float16's smallest
+  # subnormal, 2**-24), scaled by 2**10, survives.
+  grads, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=2.0**10), jnp.full(2, 2.0**-20, jnp.float16))
+  assert grads.dtype == jnp.float32 and bool(finite) and float(grads[0]) == 2.0**-30
 
 
 # ------------------------------------------------------------------ mpx (mixed-precision-for-jax, for Equinox)
@@ -726,13 +770,17 @@ def test_mpx_casts_every_argument_to_float16_and_returns_float32_gradients():
   _, grads, _ = jaxscale.value_and_grad(loss)(jaxscale.init(init_scale=2.0**10), w, x)
   assert seen[-1] == (jnp.float32, jnp.float32) and grads.dtype == jnp.float32
   w16 = w.astype(jnp.float16)
-  # float16 gradients, unscaled in float16, would flush again: jaxscale refuses and names the recipe
-  # that unscales them in float32 (master weights), where mpx hands back float32 gradients.
-  with pytest.raises(ValueError, match="float16 gradients .*master_weights"):
-    jaxscale.value_and_grad(loss)(jaxscale.init(init_scale=2.0**10), w16, x.astype(jnp.float16))
   _, _, _, grads = mpx.filter_value_and_grad(loss, mpx_scaling(2.0**10))(w16, x)
   assert grads.dtype == jnp.float32  # so eqx.apply_updates turns a float16 model into a float32 one
   assert eqx.apply_updates(w16, grads).dtype == jnp.float32
+  # jaxscale's gradients of float16 parameters are float32 too (cast before they are unscaled);
+  # master weights turn them into float16 updates, so the model stays float16.
+  _, ours, _ = jaxscale.value_and_grad(loss)(jaxscale.init(init_scale=2.0**10), w16, x.astype(jnp.float16))
+  assert seen[-1] == (jnp.float16, jnp.float16) and ours.dtype == jnp.float32
+  np.testing.assert_array_equal(ours, grads)  # x: exact in both
+  tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(LR), init_scale=2.0**10))
+  updates, _ = tx.update(ours, tx.init(w16), w16)
+  assert eqx.apply_updates(w16, updates).dtype == jnp.float16
 
 
 def test_mpx_returns_an_inf_loss_when_the_scaled_float16_loss_overflows():
@@ -757,10 +805,10 @@ def test_mpx_skips_only_in_optimizer_update():
   jax.tree.map(np.testing.assert_array_equal, new_state, tx.init(w))
   updates, _ = tx.update(grads, tx.init(w), w)
   assert np.isnan(optax.apply_updates(w, updates)).any()  # Optax alone is not told: NaN parameters
-  # jaxscale's skip is in the optimizer: a plain `tx.update` skips.
+  # jaxscale's skip is in the optimizer: a plain `tx.update` of the true gradients, no flag, skips.
   ours = jaxscale.dynamic_loss_scaling(tx, init_scale=2.0**10)
-  scaled = jax.grad(lambda w: jaxscale.scale(jaxscale.find_scaler(ours.init(w)), linear_loss(w, g)))(w)
-  updates, _ = ours.update(scaled, ours.init(w), w)
+  _, grads, _ = jaxscale.value_and_grad(linear_loss)(jaxscale.find_scaler(ours.init(w)), w, g)
+  updates, _ = ours.update(grads, ours.init(w), w)
   np.testing.assert_array_equal(optax.apply_updates(w, updates), w)
 
 
@@ -773,13 +821,14 @@ def test_mpx_checks_finiteness_per_device():
     _, scaling, finite, _ = mpx.filter_value_and_grad(linear_loss, mpx_scaling(2.0**10))(w, g)
     return scaling.loss_scaling, finite
 
-  def ours(g):
-    _, _, finite = jaxscale.value_and_grad(linear_loss, axis_name="devices")(jaxscale.init(init_scale=2.0**10), w, g)
+  def ours(scaler, g):
+    _, _, finite = jaxscale.value_and_grad(linear_loss, axis_name="devices")(scaler, w, g)
     return finite
 
   scales, flags = jax.vmap(theirs, axis_name="devices")(per_device)
   assert flags.tolist() == [False, True] and scales.tolist() == [2.0**9, 2.0**10]  # the replicas diverge
-  assert jax.vmap(ours, axis_name="devices")(per_device).tolist() == [False, False]
+  scalers = jax.tree.map(lambda a: jnp.stack([a, a]), jaxscale.init(init_scale=2.0**10))  # one per device
+  assert jax.vmap(ours, axis_name="devices")(scalers, per_device).tolist() == [False, False]
 
 
 def test_mpx_force_full_precision_is_a_boundary_cast_to_float32_with_float16_outputs():

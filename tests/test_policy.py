@@ -155,8 +155,8 @@ def test_needs_loss_scaling_as_enabled(spec):
   opt_state = tx.init(params)
   loss = jaxscale.autocast(lambda w: jnp.sum(w * w), policy)
   scaler = jaxscale.find_scaler(opt_state)
-  grads = jax.grad(lambda w: jaxscale.scale(scaler, loss(w)))(params)
-  updates, opt_state = tx.update(grads, opt_state, params)
+  _, grads, finite = jaxscale.value_and_grad(loss)(scaler, params)
+  updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
   np.testing.assert_array_equal(optax.apply_updates(params, updates), jnp.full(3, 0.8))
   assert float(scaler.scale) == (4.0 if spec == "mixed_float16" else 1.0)
 

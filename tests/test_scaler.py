@@ -32,7 +32,7 @@ DEFAULTS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growt
 
 
 def reference_for(options):
-  return ReferenceScaler(enabled=True, on_stall="skip", **{**DEFAULTS, **options})
+  return ReferenceScaler(enabled=True, **{**DEFAULTS, **options})
 
 
 jit_update = jax.jit(jaxscale.update)
@@ -50,7 +50,8 @@ def test_update_matches_reference_model(options, flags):
     assert int(state.growth_tracker) == ref.growth_tracker
     assert int(state.hysteresis_tracker) == ref.hysteresis_tracker
     assert int(state.skipped_steps) == ref.skipped_steps
-    assert bool(state.last_skipped) == (not finite)
+    assert bool(state.last_skipped) == ref.last_skipped
+    assert bool(state.stalled) == ref.stalled
 
 
 def test_update_compiles_once_whatever_flag_scale_and_options():
@@ -109,7 +110,7 @@ def test_scale_stuck_at_float32_floor_is_a_stall():
 
 
 def test_on_stall_skip_keeps_going():
-  state = jaxscale.init(init_scale=1.0, min_scale=1.0, growth_interval=1)
+  state = jaxscale.init(init_scale=1.0, min_scale=1.0, growth_interval=1, on_stall="skip")
   for finite in [False, False, True]:
     state = jaxscale.update(state, finite)
   assert not bool(state.stalled)
@@ -184,8 +185,9 @@ def test_unscale_is_exact_for_power_of_two_scales(dtype, strict_promotion):
     state = jaxscale.init(init_scale=2.0**exponent)
     scaled = jaxscale.scale(state, true)
     grads, finite = jaxscale.unscale_and_check(state, {"g": scaled})
-    assert grads["g"].dtype == dtype and bool(finite)
-    np.testing.assert_array_equal(grads["g"], true)
+    # 16-bit gradients come out in float32, cast before they are unscaled; each value is exact.
+    assert grads["g"].dtype == jnp.promote_types(dtype, jnp.float32) and bool(finite)
+    np.testing.assert_array_equal(grads["g"], true.astype(jnp.float32))
 
 
 def test_unscale_is_exact_at_scale_2_pow_127():
@@ -216,11 +218,11 @@ def test_check_finds_one_bad_element_anywhere(bad, dtype):
   assert bool(check(state, {"a": jnp.ones(3, dtype), "b": jnp.full(3, 60000, dtype)})[1])
 
 
-def test_unscaling_that_overflows_the_dtype_is_not_finite():
-  # A scale below 1 can push float16 gradients past 65504 when unscaling.
+def test_unscaling_that_overflows_float32_is_not_finite():
+  # A scale below 1 can push float32 gradients past 3.4e38 when unscaling.
   state = jaxscale.init(init_scale=0.5)
-  grads, finite = jaxscale.unscale_and_check(state, jnp.array([40000.0], jnp.float16))
-  assert not bool(finite)
+  grads, finite = jaxscale.unscale_and_check(state, jnp.array([3e38], jnp.float32))
+  assert not bool(finite) and np.isinf(grads).all()
 
 
 def test_check_ignores_integer_leaves():
@@ -355,10 +357,11 @@ def test_the_finiteness_check_cannot_overflow_on_finite_values():
 
 
 def test_unscaling_stays_in_float32_for_float16_gradients_under_x64(x64):
-  # 0.046875 / (1.5 * 2**20) is below float16's smallest subnormal: the float32 product rounds it to 0.
+  # 0.046875 / (1.5 * 2**20) is below float16's smallest subnormal: in float32 it survives, and
+  # x64 does not widen it to float64.
   unscaled, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=1.5 * 2**20), jnp.float16(0.046875))
-  assert bool(finite)
-  assert float(unscaled) == 0.0
+  assert bool(finite) and unscaled.dtype == jnp.float32
+  assert float(unscaled) == float(np.float32(0.046875) * (np.float32(1) / np.float32(1.5 * 2**20)))
 
 
 def test_non_floating_leaves_are_ignored_by_the_check():
@@ -366,11 +369,11 @@ def test_non_floating_leaves_are_ignored_by_the_check():
 
 
 def test_scales_below_one_flag_only_the_true_overflows():
-  """At scale 0.5 a float16 gradient of 20000 unscales to a finite 40000: the step is good."""
-  unscaled, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=0.5), jnp.array([20000.0], jnp.float16))
-  assert bool(finite) and float(unscaled[0]) == 40000.0
-  _, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=0.5), jnp.array([40000.0], jnp.float16))
-  assert not bool(finite)  # 80000 is beyond float16
+  """At scale 0.5 a float16 gradient of 40000 unscales to a finite 80000 in float32: the step is good."""
+  unscaled, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=0.5), jnp.array([40000.0], jnp.float16))
+  assert bool(finite) and float(unscaled[0]) == 80000.0
+  _, finite = jaxscale.unscale_and_check(jaxscale.init(init_scale=0.5), jnp.array([2e38], jnp.float32))
+  assert not bool(finite)  # 4e38 is beyond float32
 
 
 def test_traced_options_are_stored_in_their_documented_dtypes():
@@ -380,23 +383,23 @@ def test_traced_options_are_stored_in_their_documented_dtypes():
   assert (states.hysteresis.dtype, states.hysteresis_tracker.dtype) == (jnp.int32, jnp.int32)
 
 
-def test_value_and_grad_refuses_float16_gradients():
-  # A true gradient of 1e-9 survives only as a scaled float16 gradient; unscaled in float16 it is 0.
-  loss = lambda p: jnp.sum(p.astype(jnp.float32) * 1e-9)
-  with pytest.raises(ValueError, match="float16 gradients.*master_weights"):
-    jaxscale.value_and_grad(loss)(jaxscale.init(), jnp.ones(3, jnp.float16))
-
-
-def test_float16_parameters_keep_gradients_of_1e_minus_9_through_master_weights():
-  # The way the refusal points to: scaled float16 gradients, cast to float32 before unscaling.
+@pytest.mark.parametrize("site", ["value_and_grad", "by_hand"])
+def test_float16_parameters_keep_gradients_of_1e_minus_9_through_master_weights(site):
+  # A true gradient of 1e-9 survives only as a scaled float16 gradient; unscaled in float16 it
+  # would be 0. The gradient site casts it to float32 before it unscales it.
   tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**20))
   params = jnp.zeros(3, jnp.float16)
   state = tx.init(params)
+  scaler = jaxscale.find_scaler(state)
   loss = lambda p: jnp.sum(p.astype(jnp.float32) * 1e-9)
-  grads = jax.grad(lambda p: jaxscale.scale(jaxscale.find_scaler(state), loss(p)))(params)
-  assert grads.dtype == jnp.float16
-  _, state = tx.update(grads, state, params)
-  # The scaled gradient rounded once to float16, then exactly unscaled (float64 reference).
+  if site == "value_and_grad":
+    _, grads, finite = jaxscale.value_and_grad(loss)(scaler, params)
+  else:
+    grads, finite = jaxscale.unscale_and_check(scaler, jax.grad(lambda p: jaxscale.scale(scaler, loss(p)))(params))
+  assert grads.dtype == jnp.float32 and bool(finite)
+  _, state = tx.update(grads, state, params, finite=finite)
+  # The scaled gradient rounded once to float16 (the cotangent of the cast), then exactly unscaled
+  # in float32 (float64 reference).
   expected = -np.float64(np.float16(np.float32(1e-9) * 2**20)) / 2**20
   np.testing.assert_allclose(state.master, expected, rtol=1e-6)
   assert abs(expected + 1e-9) < 1e-12

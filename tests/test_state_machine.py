@@ -311,4 +311,4 @@ ScalerMachine.TestCase.settings = hypothesis.settings(
     max_examples=int(os.environ.get("JAXSCALE_STATE_MACHINE_EXAMPLES", "100")), stateful_step_count=50, deadline=None, derandomize=True, database=None,
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
-test_scaler_state_machine = pytest.mark.hand_made_gradients(ScalerMachine.TestCase)
+test_scaler_state_machine = ScalerMachine.TestCase

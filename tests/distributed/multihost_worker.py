@@ -52,10 +52,9 @@ def main(port: str, process_id: str, result_path: str) -> None:
 
   @jax.jit
   def step(params, opt_state, x, y, poison):
-    scaler = jaxscale.find_scaler(opt_state)
-    grads = jax.grad(lambda p: jaxscale.scale(scaler, loss_fn(p, x, y)))(params)
+    _, grads, finite = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params, x, y)
     grads = jax.tree.map(jnp.add, grads, poison)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
     return optax.apply_updates(params, updates), opt_state
 
   def init(key):

@@ -36,11 +36,11 @@ def train_step(tx, params, opt_state, batch, poison):
   """One step; `poison` is added to the gradients (zeros, or an inf on one shard)."""
   wrapped = isinstance(opt_state, jaxscale.DynamicLossScalingState)
 
-  def objective(p):
-    loss = loss_fn(p, batch)
-    return jaxscale.scale(jaxscale.find_scaler(opt_state), loss) if wrapped else loss
-
-  grads = jax.tree.map(jnp.add, jax.grad(objective)(params), poison)
+  if wrapped:
+    _, grads, _ = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params, batch)
+  else:
+    grads = jax.grad(loss_fn)(params, batch)
+  grads = jax.tree.map(jnp.add, grads, poison)
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state
 

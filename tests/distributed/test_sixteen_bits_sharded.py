@@ -31,7 +31,6 @@ def run(tx, params, steps=3):
   return params, state
 
 
-@pytest.mark.hand_made_gradients
 @pytest.mark.parametrize("spec", [P("x", None), P(None, "x"), P()], ids=["rows", "columns", "replicated"])
 @pytest.mark.parametrize("method", ["kahan", "stochastic_rounding"])
 def test_sharded_step_is_the_single_device_step(method, spec):
