@@ -5,8 +5,8 @@ float8 has float16's problem twice over: ``float8_e4m3fn`` holds 2**-9..448 with
 chosen from its own absolute maximum (Transformer Engine's "current scaling")::
 
     k     = the largest integer with amax(x) * 2**k <= finfo(float8).max     # 0 for amax 0, inf, NaN
-    q     = float8(x * 2**k)                  # exact product, one rounding (the cast)
-    y     = dot(qa, qb, accumulate=float32) / 2**(ka + kb)   # products exact in float32
+    q     = float8(x * 2**k)                  # exact product, one rounding (`nearest`)
+    y     = dot(qa, qb, accumulate=float32) / 2**(ka + kb)   # products exact in float32, `unscale` exact
     dA    = dot(float8_e5m2(g * 2**kg), qb) / 2**(kg + kb)    # the backward's gradient in e5m2
 
 Forward operands are ``float8_e4m3fn`` (precision), cotangents ``float8_e5m2`` (range): TE's
@@ -113,14 +113,20 @@ def nearest(y: jax.Array, dtype: Any) -> jax.Array:
 
 
 def unscale(acc: jax.Array, k: jax.Array) -> jax.Array:
-  """``acc / 2**k`` for a ``k`` up to twice the range of one scale, in two exact divisions.
+  """``acc / 2**k``, exactly wherever the result is a normal float32, for ``k`` up to twice one scale's range.
 
-  Both halves of ``k`` have its sign, so the value in between lies between ``acc`` and the
-  result: neither overflows unless the result does. (``2**-k`` as one factor could be a
-  subnormal that XLA flushes to zero: DESIGN.md, "Numerics".)
+  Built on ``acc``'s own exponent (``frexp``): ``acc = m * 2**e`` with ``1 <= m < 2``, and the
+  result is ``m * 2**(e - k)``, one multiplication by a normal power of two. A result above
+  float32's range is inf, one below its normal range 0 (as XLA flushes subnormals); zeros, inf
+  and NaN pass through. Not ``acc / 2**ka / 2**kb``: XLA rewrites that as ``acc / (2**ka * 2**kb)``, whose
+  divisor overflows to inf (and the result to 0) once ``ka + kb`` passes 127, and not ``2**-k`` as
+  one factor, which can be a subnormal that XLA flushes to zero (DESIGN.md, "Numerics").
   """
-  half = k // 2
-  return acc / power_of_two(half) / power_of_two(k - half)
+  mantissa, exponent = jnp.frexp(acc)  # acc = (2 * mantissa) * 2**(exponent - 1)
+  e = exponent - 1 - k
+  y = (2 * mantissa) * power_of_two(jnp.clip(e, -126, 127))
+  y = jnp.where(e > 127, acc * jnp.inf, jnp.where(e < -126, acc * 0, y))
+  return jnp.where(jnp.isfinite(acc) & (acc != 0), y, acc)
 
 
 def wider_reason(primitive: Any, params: dict, lhs_shape: tuple, rhs_shape: tuple) -> str | None:

@@ -142,6 +142,25 @@ def test_power_of_two_is_exact_over_float32s_normal_range():
   np.testing.assert_array_equal(np.asarray(_float8.power_of_two(k), np.float64), np.ldexp(1.0, k))
 
 
+def test_unscale_is_exact_wherever_the_result_is_normal():
+  """Against NumPy's ldexp in float64, over the whole range of two scales' exponents, jitted (where XLA
+  would turn two divisions into one by an overflowing product); below float32's normal range 0, above
+  it inf; zeros, infs and NaNs kept."""
+  rng = np.random.default_rng(0)
+  acc = (rng.standard_normal(20000) * np.exp2(rng.integers(-20, 40, 20000))).astype(np.float32)
+  k = rng.integers(-252, 255, 20000).astype(np.int32)
+  out = np.asarray(jax.jit(_float8.unscale)(acc, k), np.float64)
+  ref = np.ldexp(acc.astype(np.float64), -k)
+  normal = (np.abs(ref) >= 2.0**-126) & (np.abs(ref) < 2.0**128)
+  assert normal.mean() > 0.4 and (np.abs(ref) < 2.0**-126).any() and (np.abs(ref) >= 2.0**128).any()
+  np.testing.assert_array_equal(out[normal], ref[normal])
+  np.testing.assert_array_equal(out[np.abs(ref) < 2.0**-126], 0.0)
+  np.testing.assert_array_equal(out[np.abs(ref) >= 2.0**128], np.sign(ref[np.abs(ref) >= 2.0**128]) * np.inf)
+  special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32)
+  for shift in (-200, 200):
+    np.testing.assert_array_equal(jax.jit(_float8.unscale)(special, np.int32(shift)), special)
+
+
 def test_scaling_by_a_power_of_two_gives_the_same_codes():
   x = normal((128,))
   q, k = _float8.quantize(jnp.asarray(x), E4M3)
