@@ -77,7 +77,7 @@ class PrecisionReport:
     if float8 or self.kept_wider:
       lines.append(f"float8: {float8 / total if total else 0.0:.1%}; kept wider:{'' if self.kept_wider else ' none'}")
     for reason, flops in sorted(self.kept_wider.items(), key=lambda item: -item[1]):
-      lines.append(f"  {flops / total if total else 0.0:.1%} ({reason}): {_float8.REASONS[reason]}")
+      lines.append(f"  {flops / total if total else 0.0:.1%} ({reason}): {_float8.REASONS.get(reason, reason)}")
     ops = ", ".join(f"{name} x{count}" for name, count in sorted(self.float32_ops_in_16_bits.items()))
     lines.append(f"float32-list operations in 16 bits: {ops or 'none'}")
     if self.while_loops:
