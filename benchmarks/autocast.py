@@ -9,10 +9,12 @@ attention), copied here so that the benchmark stands alone. Variants, in one pro
     boundary cast     the same model, its parameters cast to float16 at the boundary (jmp's way,
                       and jaxscale.autocast before it chose per operation)
     float32           every layer built with dtype=jnp.float32
+    autocast POLICY   with --policies: the autocast model under each policy named (e.g.
+                      mixed_bfloat16 mixed_float8, to time float8 against bfloat16 on a GPU)
 
 For each: the time to trace, lower and compile the jitted step (median of --compiles fresh jits),
 the median step time over --steps steps, both as ratios to float16 by hand, and the precision
-report of the step's gradient. Run: python benchmarks/autocast.py [--quick]
+report of the step's gradient. Run: python benchmarks/autocast.py [--quick] [--policies P ...]
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def variants(args):
       "autocast": (none[1], jaxscale.autocast(plain(none[0]), policy)),
       "boundary cast": (none[1], boundary),
       "float32": (full[1], plain(full[0])),
+      **{f"autocast {p}": (none[1], jaxscale.autocast(plain(none[0]), p)) for p in args.policies},
   }
 
 
@@ -79,6 +82,7 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
   parser.add_argument("--compiles", type=int, default=3, help="fresh compilations per variant")
   parser.add_argument("--quick", action="store_true", help="a tiny model and few steps (a smoke test)")
+  parser.add_argument("--policies", nargs="*", default=[], help="more autocast variants, by policy (mixed_float8)")
   args = parser.parse_args(argv)
   if args.quick:
     args.width, args.depth, args.seq_len, args.batch, args.steps, args.rounds, args.compiles = 32, 1, 16, 4, 3, 1, 1
@@ -108,14 +112,15 @@ def main(argv=None):
   base_compile = statistics.median(compile_s["float16 by hand"])
   print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; model width {args.width}, depth "
         f"{args.depth}, seq {args.seq_len}, batch {args.batch}")
-  print("| variant | ms/step | step ratio | compile s | compile ratio | float16 share of matmul FLOPs |")
-  print("| --- | --- | --- | --- | --- | --- |")
+  print("| variant | ms/step | step ratio | compile s | compile ratio | float16 share of matmul FLOPs | float8 share |")
+  print("| --- | --- | --- | --- | --- | --- | --- |")
   for name, (params, loss) in runs.items():
     ms, c = statistics.median(step_s[name]) * 1e3, statistics.median(compile_s[name])
     report = jaxscale.precision_report(jax.grad(loss), params, windows)
+    float8 = report.share("float8_e4m3fn") + report.share("float8_e5m2")
     print(f"| {name} | {ms:.2f} | {ms / base_step / 1e3:.3f} | {c:.2f} | {c / base_compile:.3f} | "
-          f"{report.share('float16'):.1%} |")
-  for name in ("boundary cast", "autocast"):
+          f"{report.share('float16'):.1%} | {float8:.1%} |")
+  for name in ("boundary cast", "autocast", *(f"autocast {p}" for p in args.policies)):
     params, loss = runs[name]
     print(f"\nprecision report, jax.grad of the loss, {name}:")
     print(jaxscale.precision_report(jax.grad(loss), params, windows))

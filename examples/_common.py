@@ -141,7 +141,7 @@ def add_flags(
       type=precision_spec,
       metavar="SPEC",
       help="instead of --runs, one run in this precision policy; repeat the flag to compare several in one "
-      "table. A preset (float32, mixed_float16, mixed_bfloat16), a jmp-style string "
+      "table. A preset (float32, mixed_float16, mixed_bfloat16, mixed_float8), a jmp-style string "
       "(params=float32,compute=float16,output=float32, short p=f32,c=f16,o=f32; params=float16 stores the "
       "parameters in float16, with float32 master weights in the optimizer), or auto "
       "(jaxscale.recommended_policy() for this device). The model runs through jaxscale.autocast, and the "

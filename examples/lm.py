@@ -25,6 +25,7 @@ mixed-precision pieces (`get_policy`, `autocast`, `needs_loss_scaling`, `master_
 
     python examples/lm.py --precision auto                                # what jaxscale recommends for this device
     python examples/lm.py --precision float32 --precision mixed_bfloat16  # several policies, one table
+    python examples/lm.py --precision mixed_bfloat16 --precision mixed_float8  # float8 matmuls (docs/float8.md)
     python examples/lm.py --precision params=float16,compute=float16,output=float32  # float32 master weights
     python examples/lm.py --precision mixed_float16 --tensorboard runs/lm # log the loss and jaxscale.metrics
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale import _interpret, _policy, _tree
+from jaxscale import _float8, _interpret, _policy, _tree
 
 F = TypeVar("F", bound=Callable)
 
@@ -184,7 +184,9 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
     leaves, treedef = jax.tree.flatten(tree)
     is_array = lambda leaf: isinstance(leaf, (jax.Array, np.ndarray, np.generic))  # noqa: E731
     statics = tuple(_DYNAMIC if is_array(leaf) else _Static(leaf) for leaf in leaves)
-    out, written = jitted((treedef, statics), [leaf for leaf in leaves if is_array(leaf)])
+    arrays = [leaf for leaf in leaves if is_array(leaf)]
+    _float8.warn_float8_arguments(arrays)
+    out, written = jitted((treedef, statics), arrays)
     variables = _nnx_variables(tree)
     for i, value in written.items():
       variable = variables[i]
@@ -247,6 +249,8 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
   in it. The one place that decides how a matmul runs (a float8 policy replaces this).
   """
   compute = policy.compute_dtype
+  if policy.matmul_dtype is not None:
+    return [_float8.matmul(eqn.primitive, eqn.params, *ins, compute)]
   return _interpret.bind(eqn, [_to(x, compute) for x in ins], dict(eqn.params, preferred_element_type=compute))
 
 
@@ -273,6 +277,8 @@ def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
   if name in _CHECKPOINTS and len(programs) == 1:
     return _interpret.rebind(eqn, ins, flowing, in_dtypes=[_dtype(x) for x in ins])
   ins = [_cast(x, a) for x, a in zip(ins, avals)]  # as the program gave them
+  if policy.matmul_dtype is not None and name in _float8.OTHER_MATMULS:
+    _float8.warn_not_float8(name)
   if name in _CALLS or not any(_has_work(j) for j, _ in programs):
     return _interpret.bind(eqn, ins)  # a nested autocast region stays as its own policy made it
   return _interpret.rebind(eqn, ins, lambda jaxpr, consts, args: evaluate(jaxpr, consts, args, policy))

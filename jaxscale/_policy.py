@@ -1,10 +1,12 @@
 """The precision policy: which dtype parameters are stored in, computed in, and returned in.
 
-A ``Policy`` is three dtypes (jmp's names)::
+A ``Policy`` is three dtypes (jmp's names), and how autocast runs matmuls::
 
     param_dtype    the parameters as stored and updated (float32 for mixed precision)
     compute_dtype  the forward and backward pass (float16 or bfloat16 for mixed precision)
     output_dtype   what the computation hands back (float32: the loss, logits for metrics)
+    matmul_dtype   None: matmuls in compute_dtype; float8_e4m3fn: scaled float8 matmuls
+                   (``"mixed_float8"``: operands in e4m3, gradients in e5m2, docs/float8.md)
 
 Its casts touch only the floating leaves of a pytree: integers, bools, PRNG keys and
 ``float0`` tangents keep their dtype. Loss scaling is needed for float16 compute only:
@@ -31,11 +33,18 @@ _NAMES = {
     "float64": jnp.float64, "f64": jnp.float64,
     "half": None,  # float16, or bfloat16 on a TPU, as in jmp
 }  # fmt: skip
-_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output"}
+_KEYS = {
+    "p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output",
+    "m": "matmul", "matmul": "matmul",
+}  # fmt: skip
 _PRESETS = {
     "mixed_float16": ("float32", "float16", "float32"),
     "mixed_bfloat16": ("float32", "bfloat16", "float32"),
+    "mixed_float8": ("float32", "bfloat16", "float32", "float8_e4m3fn"),
 }
+# The one float8 format a policy's matmuls take (their gradients take float8_e5m2), by its names.
+_FLOAT8 = np.dtype(jnp.float8_e4m3fn)
+_FLOAT8_NAMES = ("float8_e4m3fn", "float8", "f8", "e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +58,9 @@ class Policy:
     param_dtype: the dtype parameters are stored in.
     compute_dtype: the dtype the computation runs in.
     output_dtype: the dtype the computation returns.
+    matmul_dtype: None (matmuls run in ``compute_dtype``), or ``float8_e4m3fn``:
+      :func:`autocast` runs every matmul and convolution as a scaled float8 one
+      (the ``"mixed_float8"`` preset; docs/float8.md).
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale
@@ -62,9 +74,18 @@ class Policy:
   param_dtype: Any
   compute_dtype: Any
   output_dtype: Any
+  matmul_dtype: Any = None
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
+    if self.matmul_dtype is not None:
+      name = self.matmul_dtype.strip().lower() if isinstance(self.matmul_dtype, str) else None
+      if (_FLOAT8 if name in _FLOAT8_NAMES else _as_dtype(self.matmul_dtype)) != _FLOAT8:
+        raise ValueError(
+            f"`Policy.matmul_dtype` must be None (matmuls in the compute dtype) or float8_e4m3fn (scaled "
+            f"float8 matmuls, whose gradients run in float8_e5m2), got {self.matmul_dtype!r}."
+        )
+      object.__setattr__(self, "matmul_dtype", _FLOAT8)
+    for field in dataclasses.fields(self)[:3]:
       value = getattr(self, field.name)
       if isinstance(value, str):  # read as `get_policy` reads it: "f16" is float16, not NumPy's float128
         name = value.strip().lower()
@@ -79,6 +100,13 @@ class Policy:
         raise ValueError(
             f"`Policy.{field.name}` must be a floating dtype JAX computes in (float16, bfloat16, "
             f"float32, ...), got {value!r}."
+        )
+      if dtype.itemsize == 1:
+        raise ValueError(
+            f"`Policy.{field.name}` cannot be the float8 dtype {dtype.name}: float8 values hold 2 or 3 "
+            "mantissa bits and no scale, too few to store parameters, add activations or return a loss. "
+            "Use the preset 'mixed_float8' (or `matmul_dtype=jnp.float8_e4m3fn`): float32 parameters, "
+            "bfloat16 compute, and every matmul in scaled float8."
         )
       object.__setattr__(self, field.name, dtype)  # normalised: jnp.float16 == dtype('float16')
 
@@ -99,7 +127,8 @@ class Policy:
     return dataclasses.replace(self, output_dtype=output_dtype)
 
   def __str__(self) -> str:
-    return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
+    matmul = f",matmul={self.matmul_dtype.name}" if self.matmul_dtype is not None else ""
+    return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}{matmul}"
 
 
 def cast_floating(tree: T, dtype: Any) -> T:
@@ -135,12 +164,14 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
 
   * a preset: ``"float32"`` (everything float32), ``"mixed_float16"`` and
     ``"mixed_bfloat16"`` (Keras's: float32 parameters and output, 16-bit
-    compute);
+    compute), ``"mixed_float8"`` (``"mixed_bfloat16"`` with every matmul and
+    convolution as a scaled float8 one: docs/float8.md);
   * one dtype for all three: ``"float16"``, ``"bf16"``, ``"full"``, ``"half"``;
   * jmp's ``key=dtype`` list: ``"params=float32,compute=float16,output=float32"``,
     short ``"p=f32,c=f16,o=f32"``. As in jmp, parameters default to float32,
     compute follows parameters and output follows compute (``"c=f16"`` is
-    ``p=f32,c=f16,o=f16``).
+    ``p=f32,c=f16,o=f16``). ``matmul=float8`` (``m=f8``) adds float8 matmuls:
+    ``str(get_policy("mixed_float8"))`` is read back as the same policy.
 
   Dtype names: ``float32``/``f32``/``full``, ``float16``/``f16``,
   ``bfloat16``/``bf16``, ``float64``/``f64``, and ``half`` (float16, or
@@ -174,7 +205,8 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     raise TypeError(f"`get_policy` takes a string or a `jaxscale.Policy`, got {type(spec).__name__}: {spec!r}.")
   text = spec.strip().lower()
   if text in _PRESETS:
-    return Policy(*(_dtype(name, spec) for name in _PRESETS[text]))
+    param, compute, output, *matmul = _PRESETS[text]
+    return Policy(*(_dtype(name, spec) for name in (param, compute, output)), *matmul)
   if "=" not in text:
     dtype = _dtype(text, spec)
     return Policy(dtype, dtype, dtype)
@@ -186,17 +218,22 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
           f"Unknown key {key!r} in policy {spec!r}; the keys are 'params' ('p'), "
           "'compute' ('c') and 'output' ('o'), as in 'params=float32,compute=float16,output=float32'."
       )
-    chosen[_KEYS[key]] = _dtype(value, spec)
+    if _KEYS[key] == "matmul" and value not in _FLOAT8_NAMES:
+      raise ValueError(
+          f"Unknown matmul dtype {value!r} in policy {spec!r}; the one there is 'float8' ('f8', "
+          "'float8_e4m3fn'): scaled float8 matmuls, as in the preset 'mixed_float8'."
+      )
+    chosen[_KEYS[key]] = _FLOAT8 if _KEYS[key] == "matmul" else _dtype(value, spec)
   param = chosen.get("param", np.dtype(jnp.float32))
   compute = chosen.get("compute", param)
-  return Policy(param, compute, chosen.get("output", compute))
+  return Policy(param, compute, chosen.get("output", compute), chosen.get("matmul"))
 
 
 def _dtype(name: str, spec: str) -> Any:
   if name not in _NAMES:
     raise ValueError(
         f"Unknown dtype {name!r} in policy {spec!r}; use one of {', '.join(_NAMES)}, "
-        "or a preset: 'float32', 'mixed_float16', 'mixed_bfloat16'."
+        "or a preset: 'float32', 'mixed_float16', 'mixed_bfloat16', 'mixed_float8' (float8 matmuls)."
     )
   dtype = _NAMES[name]
   if dtype is None:  # "half"
@@ -208,8 +245,10 @@ def needs_loss_scaling(policy_or_dtype: Union[Policy, str, jax.typing.DTypeLike]
   """True iff the compute dtype is float16, the one whose gradients underflow.
 
   bfloat16 shares float32's exponent range and needs no loss scaling; float32
-  needs none either. Pass the answer as ``enabled=``, so that one script runs
-  unchanged in any precision.
+  needs none either, and neither does ``"mixed_float8"``: its bfloat16
+  compute has float32's range, and each float8 matmul scales its gradient
+  itself. Pass the answer as ``enabled=``, so that one script runs unchanged
+  in any precision.
 
   Args:
     policy_or_dtype: a :class:`Policy` (its ``compute_dtype`` decides), a

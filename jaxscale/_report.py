@@ -7,9 +7,13 @@ counts, at every depth of its jaxpr::
                        convolutions in that dtype (2 * M * N * K for a matmul; a scan body
                        times its length; a while loop's body once, as `while_loops` says;
                        the costliest branch of a cond)
+                       (float8: "float8_e4m3fn" forward, "float8_e5m2" for the products
+                       that take an e5m2 gradient, whatever the other operand)
     matmul_counts      dtype name -> how many matmuls and convolutions run in it
     op_counts          dtype name -> how many operations (every first-order primitive with a
                        floating result, matmuls included) have their result in it
+    kept_wider         under a float8 policy, the FLOPs of the matmuls kept wider, by the
+                       reason (`_float8.REASONS`) that the jit around them is named after
     float32_ops_in_16_bits   the operations of autocast's float32 list (exp, log, sums, ...)
                        whose operands are 16-bit, by primitive name
 
@@ -31,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale import _autocast, _interpret
+from jaxscale import _autocast, _float8, _interpret
 
 _SIXTEEN_BITS = ("float16", "bfloat16")
 
@@ -50,6 +54,8 @@ class PrecisionReport:
     matmul_counts: dtype name -> how many matmuls and convolutions run in that dtype.
     op_counts: dtype name -> how many operations with a floating result (matmuls,
       elementwise operations, reductions, ...) have it in that dtype.
+    kept_wider: under a float8 policy, reason -> FLOPs of the matmuls kept in a wider
+      dtype for it (``"small"``, ``"conv_backward"``: ``str()`` says each in full).
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale
@@ -63,6 +69,7 @@ class PrecisionReport:
   while_loops: int = 0
   matmul_counts: dict[str, int] = dataclasses.field(default_factory=dict)
   op_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+  kept_wider: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def share(self, dtype: Any) -> float:
     """The fraction (0 to 1) of the matmul FLOPs that run in ``dtype`` (a dtype or its name)."""
@@ -71,12 +78,18 @@ class PrecisionReport:
 
   def __str__(self) -> str:
     total = sum(self.matmul_flops.values())
-    lines = [f"{'dtype':<10} {'matmul FLOPs':>13} {'share':>7} {'matmuls':>8}"]
+    width = max([10, *map(len, self.matmul_flops)])
+    lines = [f"{'dtype':<{width}} {'matmul FLOPs':>13} {'share':>7} {'matmuls':>8}"]
     for name, flops in sorted(self.matmul_flops.items(), key=lambda item: -item[1]):
       share = flops / total if total else 0.0
-      lines.append(f"{name:<10} {flops:>13.4g} {share:>7.1%} {self.matmul_counts.get(name, 0):>8}")
+      lines.append(f"{name:<{width}} {flops:>13.4g} {share:>7.1%} {self.matmul_counts.get(name, 0):>8}")
     sixteen = sum(self.matmul_flops.get(name, 0.0) for name in _SIXTEEN_BITS)
     lines.append(f"16-bit: {sixteen / total if total else 0.0:.1%} of {total:.4g} matmul FLOPs")
+    float8 = sum(self.matmul_flops.get(dtype.name, 0.0) for dtype in _float8.FLOAT8)
+    if float8 or self.kept_wider:
+      lines.append(f"float8: {float8 / total if total else 0.0:.1%}; kept wider:{'' if self.kept_wider else ' none'}")
+    for reason, flops in sorted(self.kept_wider.items(), key=lambda item: -item[1]):
+      lines.append(f"  {flops / total if total else 0.0:.1%} ({reason}): {_float8.REASONS.get(reason, reason)}")
     ops = ", ".join(f"{name} x{count}" for name, count in sorted(self.float32_ops_in_16_bits.items()))
     lines.append(f"float32-list operations in 16 bits: {ops or 'none'}")
     if self.while_loops:
@@ -138,7 +151,8 @@ def precision_report(
   closed = jax.make_jaxpr(traced, axis_env=env)(*(leaves[i] for i in dynamic))
   counts = _count(closed.jaxpr)
   return PrecisionReport(
-      dict(counts.flops), dict(counts.sensitive), counts.while_loops, dict(counts.matmuls), dict(counts.ops)
+      dict(counts.flops), dict(counts.sensitive), counts.while_loops, dict(counts.matmuls), dict(counts.ops),
+      dict(counts.wider),
   )
 
 
@@ -148,12 +162,16 @@ class _Counts:
   matmuls: Counter = dataclasses.field(default_factory=Counter)
   ops: Counter = dataclasses.field(default_factory=Counter)
   sensitive: Counter = dataclasses.field(default_factory=Counter)
+  wider: Counter = dataclasses.field(default_factory=Counter)
   while_loops: int = 0
 
-  def add(self, other: _Counts, times: float) -> None:
+  def add(self, other: _Counts, times: float, reason: str = "") -> None:
+    """Adds a sub-program's counts; all its FLOPs as kept wider for ``reason`` when it names one."""
     for mine, theirs in ((self.flops, other.flops), (self.matmuls, other.matmuls), (self.ops, other.ops), (self.sensitive, other.sensitive)):
       for key, value in theirs.items():
         mine[key] += value * times
+    for key, value in ({reason: sum(other.flops.values())} if reason else other.wider).items():
+      self.wider[key] += value * times
     self.while_loops += other.while_loops
 
 
@@ -169,7 +187,7 @@ def _count(jaxpr) -> _Counts:
         counts.ops[np.dtype(out[0].dtype).name] += 1
     if name in _autocast.COMPUTE_PRIMITIVES:
       lhs, rhs = avals[0].dtype.name, avals[1].dtype.name
-      key = lhs if lhs == rhs else f"{lhs}*{rhs}"
+      key = _float8.BACKWARD.name if _float8.BACKWARD.name in (lhs, rhs) else lhs if lhs == rhs else f"{lhs}*{rhs}"
       counts.flops[key] += _flops(eqn)
       counts.matmuls[key] += 1
     elif name in _autocast.FLOAT32_PRIMITIVES and any(
@@ -181,8 +199,11 @@ def _count(jaxpr) -> _Counts:
     if name == "cond":  # one branch runs: the costliest
       subs = [max(subs, key=lambda sub: sum(sub.flops.values()))]
     counts.while_loops += name == "while"
+    # A float8 policy's matmul kept wider sits in a jit named after the reason (under `jax.grad`
+    # too, inside "jvp(...)" / "transpose(...)").
+    reason = str(eqn.params.get("name", "")).partition(_float8.WIDER)[2].partition(")")[0]
     for sub in subs:
-      counts.add(sub, _times(eqn))
+      counts.add(sub, _times(eqn), reason)
   return counts
 
 

@@ -144,20 +144,21 @@ def test_digits(tmp_path, capsys):
   assert (tmp_path / "digits.png").stat().st_size > 0
 
 
-PRECISIONS = {  # spec: (param dtype, compute dtype, loss scaling)
-    "float32": (jnp.float32, jnp.float32, False),
-    "mixed_float16": (jnp.float32, jnp.float16, True),
-    "mixed_bfloat16": (jnp.float32, jnp.bfloat16, False),
-    "params=float16,compute=float16,output=float32": (jnp.float16, jnp.float16, True),
+PRECISIONS = {  # spec: (param dtype, compute dtype, loss scaling, how matmuls run beyond that)
+    "float32": (jnp.float32, jnp.float32, False, ""),
+    "mixed_float16": (jnp.float32, jnp.float16, True, ""),
+    "mixed_bfloat16": (jnp.float32, jnp.bfloat16, False, ""),
+    "mixed_float8": (jnp.float32, jnp.bfloat16, False, ",matmul=float8_e4m3fn"),
+    "params=float16,compute=float16,output=float32": (jnp.float16, jnp.float16, True, ""),
 }
 
 
 @pytest.mark.parametrize("spec", list(PRECISIONS))
 def test_lm_precision_runs_any_policy(spec, capsys):
-  param_dtype, compute_dtype, scaling = PRECISIONS[spec]
+  param_dtype, compute_dtype, scaling, matmul = PRECISIONS[spec]
   (result,) = run_example("lm", LM_TINY + ["--no-plot", "--precision", spec])
   out = capsys.readouterr().out
-  policy = f"params={jnp.dtype(param_dtype).name},compute={jnp.dtype(compute_dtype).name},output=float32"
+  policy = f"params={jnp.dtype(param_dtype).name},compute={jnp.dtype(compute_dtype).name},output=float32{matmul}"
   assert f"{spec}: {policy} through jaxscale.autocast, loss scaling {scaling}" in out
   assert ("master weights" in out) == (param_dtype == jnp.float16)
   assert result.name == spec and result.scaling == scaling and np.isfinite(result.loss).all()

@@ -38,7 +38,7 @@ def test_presets_and_spacing(spec, dtypes):
 
 @pytest.mark.parametrize(
     "spec, named",
-    [("p=f32,c=f8", "'f8'"), ("params=float32,comput=float16", "'comput'"), ("mixed_float8", "'mixed_float8'"),
+    [("p=f32,c=f8", "'f8'"), ("params=float32,comput=float16", "'comput'"), ("mixed_float4", "'mixed_float4'"),
      ("", "''"), ("c=", "''")],
 )
 def test_bad_specs_name_the_bad_part(spec, named):

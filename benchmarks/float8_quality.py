@@ -1,0 +1,147 @@
+"""Float8 training quality: the examples over seeds in float32, mixed_bfloat16 and mixed_float8.
+
+Runs examples/digits.py and examples/lm.py (through their `main`, with `--precision`) for each
+seed, and prints one Markdown table per example: each run's held-out loss per seed, its mean, and
+whether the mean lies inside float32's seed spread (min..max over the seeds). Rows:
+
+    float32, mixed_bfloat16, mixed_float8   the examples' `--precision` runs, as they are
+    flax fp8_ops (digits only)              the same Linen CNN, its Dense layers' dot_general
+                                            `flax.linen.Fp8DirectDotGeneralOp` (delayed scaling,
+                                            amax history 1024), bfloat16 compute, convolutions in
+                                            bfloat16 (fp8_ops has no convolution)
+    --ablate: mixed_float8, every matmul    the "small" rule switched off (this script patches
+                                            `jaxscale._float8._SMALL` to 0): measures the rule
+    --logits-wider (lm only)                mixed_float8 with the LM head (the one matmul with a
+                                            256-wide dimension) kept in bfloat16 (patched the same
+                                            way): measures whether the logits need it
+
+    python benchmarks/float8_quality.py digits --seeds 0 1 2
+    python benchmarks/float8_quality.py lm --seeds 0 1 2 -- --steps 200   # flags after -- go to the example
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float8")
+
+
+@contextlib.contextmanager
+def every_matmul_in_float8():
+  from jaxscale import _float8
+
+  small, _float8._SMALL = _float8._SMALL, 0
+  try:
+    yield
+  finally:
+    _float8._SMALL = small
+
+
+@contextlib.contextmanager
+def logits_in_bfloat16():
+  from jaxscale import _float8
+
+  from lm import VOCAB
+
+  rule = _float8.wider_reason
+  _float8.wider_reason = lambda p, params, lhs, rhs: "small" if VOCAB in rhs else rule(p, params, lhs, rhs)
+  try:
+    yield
+  finally:
+    _float8.wider_reason = rule
+
+
+@contextlib.contextmanager
+def flax_fp8_cnn():
+  """digits.CNN with Flax fp8_ops in its Dense layers, computing in bfloat16."""
+  import flax.linen as nn
+  import jax.numpy as jnp
+
+  import digits
+
+  class Fp8CNN(nn.Module):
+    width: int = 32
+    dtype: object = None  # ignored: bfloat16, as fp8_ops' own examples compute
+
+    @nn.compact
+    def __call__(self, images):
+      kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32)
+      dense = dict(kw, dot_general_cls=nn.Fp8DirectDotGeneralOp)
+      x = nn.relu(nn.Conv(self.width, (3, 3), **kw)(images[..., None]))
+      x = nn.relu(nn.Conv(2 * self.width, (3, 3), strides=2, **kw)(x))
+      x = nn.relu(nn.Dense(4 * self.width, **dense)(x.reshape(x.shape[0], -1)))
+      return nn.Dense(10, **dense)(x)
+
+  original, digits.CNN = digits.CNN, Fp8CNN
+  try:
+    yield
+  finally:
+    digits.CNN = original
+
+
+def run(example: str, seed: int, extra: list[str], ablate: bool, logits_wider: bool) -> dict[str, float]:
+  """Held-out loss of each row for one seed."""
+  module = __import__(example)
+  common = ["--seed", str(seed), "--no-plot", "--no-progress", *extra]
+  losses = {}
+  for result in module.main([*common, *(f"--precision={p}" for p in POLICIES)]):
+    losses[result.name] = result.eval_metrics[-1]["loss"]
+  if example == "digits":
+    with flax_fp8_cnn():
+      (result,) = module.main([*common, "--runs", "0"])
+    losses["flax fp8_ops (Dense), bfloat16 convs"] = result.eval_metrics[-1]["loss"]
+  if ablate:
+    with every_matmul_in_float8():
+      (result,) = module.main([*common, "--precision=mixed_float8"])
+    losses["mixed_float8, every matmul (ablation)"] = result.eval_metrics[-1]["loss"]
+  if logits_wider:
+    with logits_in_bfloat16():
+      (result,) = module.main([*common, "--precision=mixed_float8"])
+    losses["mixed_float8, logits in bfloat16 (ablation)"] = result.eval_metrics[-1]["loss"]
+  return losses
+
+
+def table(per_seed: dict[int, dict[str, float]]) -> str:
+  seeds = sorted(per_seed)
+  names = list(per_seed[seeds[0]])
+  reference = [per_seed[s]["float32"] for s in seeds]
+  low, high = min(reference), max(reference)
+  lines = [
+      "| run | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | inside float32's spread |",
+      "|---|" + "---|" * (len(seeds) + 2),
+  ]
+  for name in names:
+    values = [per_seed[s][name] for s in seeds]
+    mean = float(np.mean(values))
+    inside = "yes" if low <= mean <= high else ("below (better)" if mean < low else "no (worse)")
+    lines.append(f"| {name} | " + " | ".join(f"{v:.4f}" for v in values) + f" | {mean:.4f} | {inside} |")
+  return "\n".join(lines) + f"\n\nfloat32's spread over seeds {seeds}: {low:.4f}..{high:.4f}"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("example", choices=("digits", "lm"))
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--ablate", action="store_true", help="add mixed_float8 with every matmul in float8")
+  parser.add_argument("--logits-wider", action="store_true", help="lm: add mixed_float8 with the head in bfloat16")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+  args = parser.parse_args(argv[: len(argv) - len(extra) - bool(extra)])
+  args.extra = extra
+  per_seed = {}
+  for seed in args.seeds:
+    per_seed[seed] = run(args.example, seed, args.extra, args.ablate, args.logits_wider)
+    print(f"seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in per_seed[seed].items()), flush=True)
+  print(f"\n{args.example} {' '.join(args.extra)}: held-out loss at the end of each run\n")
+  print(table(per_seed))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,598 @@
+"""Scaled float8 matmuls against an independent reference: the quantization and its power-of-two scale
+bit for bit against ml_dtypes' rounding of exact float64 products; the matmul's and its gradients'
+errors against float64 within a bound derived from the formats; scale invariance; zeros, inf, NaN."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import jaxscale
+from jaxscale import _float8
+
+E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
+F32 = np.dtype(np.float32)
+# Unit roundoff (half an ulp at 1, relative) and half the smallest subnormal, of each format's
+# scaled values: e4m3 keeps 3 mantissa bits and its subnormals are multiples of 2**-9; e5m2 keeps 2,
+# multiples of 2**-16.
+UNIT = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
+MATMUL = (((1,), (0,)), ((), ()))
+
+
+# --- the reference: NumPy in float64, ml_dtypes' casts ---------------------------------------------
+
+
+def reference_exponent(amax: float, dtype) -> int:
+  """The largest k with amax * 2**k <= the format's largest value, by search in exact float64."""
+  top = float(ml_dtypes.finfo(dtype).max)
+  if not (np.isfinite(amax) and amax > 0):
+    return 0
+  k = int(np.floor(np.log2(top / amax)))
+  while np.ldexp(amax, k) > top:  # log2 may round across a power of two: correct it
+    k -= 1
+  while np.ldexp(amax, k + 1) <= top:
+    k += 1
+  return int(np.clip(k, -126, 127))
+
+
+def reference_quantize(x, dtype):
+  """(codes, k): x * 2**k, exact in float64, rounded once by ml_dtypes (to nearest, ties to even)."""
+  x = np.asarray(x, np.float64)
+  k = reference_exponent(float(np.max(np.abs(x))) if x.size else 0.0, dtype)
+  return np.ldexp(x, k).astype(dtype), k
+
+
+def dot64(a, b, dims=MATMUL):
+  """dot_general in float64, by NumPy: each operand's dimensions named, then einsum."""
+  (lc, rc), (lb, rb) = dims
+  letters = iter("abcdefghijklmnopqrstuvwxyz")
+  lhs = [next(letters) for _ in range(np.ndim(a))]
+  rhs = [next(letters) for _ in range(np.ndim(b))]
+  for i, j in (*zip(lc, rc), *zip(lb, rb)):
+    rhs[j] = lhs[i]
+  out = [lhs[d] for d in lb] + [s for d, s in enumerate(lhs) if d not in lc and d not in lb]
+  out += [s for d, s in enumerate(rhs) if d not in rc and d not in rb]
+  return np.einsum(f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}", np.asarray(a, np.float64), np.asarray(b, np.float64))
+
+
+def error_bound(product, a, b, ka, kb, fmt_a, fmt_b, terms):
+  """What quantizing two operands and summing in float32 may cost each element of ``product(a, b)``.
+
+  Each quantized operand is |q - x| <= u |x| + e (u the unit roundoff of its format; e half its
+  smallest subnormal, unscaled: 2**-10 / 2**k for e4m3), so |q| <= (1 + u) |x| + e and
+      |qa qb - a b| <= |qa - a| |qb| + |a| |qb - b| <= (ua |a| + ea)((1 + ub) |b| + eb) + |a| (ub |b| + eb).
+  Each product of two float8 values (at most 4 + 4 significant bits) is exact in float32; a sum of
+  `terms` of them in float32, in any order, is off by at most gamma = terms * 2**-24 / (1 - terms *
+  2**-24) times the sum of their magnitudes (Higham, Numerical Stability, 3.1). Unscaling by powers
+  of two is exact. ``product`` of non-negative operands sums magnitudes.
+  """
+  ua, ub = UNIT[fmt_a], UNIT[fmt_b]
+  ea, eb = np.ldexp(HALF_SUBNORMAL[fmt_a], -ka), np.ldexp(HALF_SUBNORMAL[fmt_b], -kb)
+  a, b = np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64))
+  gamma = terms * 2.0**-24 / (1 - terms * 2.0**-24)
+  rounding = product(ua * a + ea, (1 + ub) * b + eb) + product(a, ub * b + eb)
+  return rounding + gamma * product((1 + ua) * a + ea, (1 + ub) * b + eb)
+
+
+def operation(fun, *args):
+  """The primitive and parameters of the one equation of ``fun``'s jaxpr (as this JAX spells them)."""
+  (eqn,) = jax.make_jaxpr(fun)(*args).jaxpr.eqns
+  return eqn.primitive, eqn.params
+
+
+def float8_matmul(a, b, compute=jnp.float32, dims=MATMUL):
+  """The scaled float8 ``dot_general(a, b, dims)``, ``_float8``'s rule with no matmul kept wider."""
+  primitive, params = operation(lambda a, b: lax.dot_general(a, b, dims), a, b)
+  return _float8._scaled(primitive, params, compute, a.dtype, b.dtype)(a, b)
+
+
+def normal(shape, seed=0, scale=1.0, dtype=np.float32):
+  return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
+
+
+# --- quantization, bit for bit -------------------------------------------------------------------
+
+# Values whose absolute maximum sits on and beside the powers of two where k changes, subnormal
+# elements beside a large one, and dtypes that arrive from autocast.
+QUANTIZE_CASES = {
+    "normal": normal((64, 48)),
+    "at the top": np.array([448.0, -1.0, 0.5], np.float32),
+    "just above the top": np.array([np.nextafter(np.float32(448), np.float32(1e9)), 3.0], np.float32),
+    "just below a power of two": np.array([np.nextafter(np.float32(1), np.float32(0)), 1e-3], np.float32),
+    "the top's mantissa": np.array([0.875, 0.4375], np.float32),
+    "beside it": np.array([np.nextafter(np.float32(0.875), np.float32(1)), -0.25], np.float32),
+    "subnormal elements": np.array([1.0, 2.0**-12, 3 * 2.0**-13, 2.0**-14, -(2.0**-13)], np.float32),
+    "tiny": normal((32,), scale=1e-30),
+    "huge": normal((32,), scale=1e30),
+    "bfloat16": normal((64,), scale=300.0, dtype=ml_dtypes.bfloat16),
+    "float16": normal((64,), scale=1e-3, dtype=np.float16),
+    "zeros": np.zeros((4, 4), np.float32),
+    "below the clip": np.array([2.0**-120, -(2.0**-121)], np.float32),
+}
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", list(QUANTIZE_CASES))
+def test_quantize_is_ml_dtypes_rounding_of_the_exact_scaled_value(name, fmt):
+  x = QUANTIZE_CASES[name]
+  q, k = jax.jit(_float8.quantize, static_argnums=1)(jnp.asarray(x), fmt)
+  ref_q, ref_k = reference_quantize(x, fmt)
+  assert q.dtype == fmt and k.dtype == np.int32
+  assert int(k) == ref_k
+  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), ref_q.view(np.uint8))
+  # The scale keeps the largest value finite: no float8 NaN, and none is produced by overflow.
+  assert np.isfinite(np.asarray(q, np.float64)).all()
+
+
+def test_scale_exponent_is_the_largest_that_fits():
+  top = float(ml_dtypes.finfo(E4M3).max)  # 448
+  amax = np.array([top, top * (1 + 2.0**-23), top / 2, 1.0, 3.0, 1e-20, 2.0**-125, 0.0, np.inf, np.nan], np.float32)
+  k = np.asarray(jax.vmap(lambda m: _float8.scale_exponent(m, E4M3))(amax))
+  np.testing.assert_array_equal(k, [0, -1, 1, 8, 7, 75, 127, 0, 0, 0])
+  for value, exponent in zip(amax[:6], k[:6]):  # the definition, checked in float64
+    assert np.ldexp(np.float64(value), int(exponent)) <= top < np.ldexp(np.float64(value), int(exponent) + 1)
+
+
+def test_power_of_two_is_exact_over_float32s_normal_range():
+  k = np.arange(-126, 128)
+  np.testing.assert_array_equal(np.asarray(_float8.power_of_two(k), np.float64), np.ldexp(1.0, k))
+
+
+def test_unscale_is_exact_wherever_the_result_is_normal():
+  """Against NumPy's ldexp in float64, over the whole range of two scales' exponents, jitted (where XLA
+  would turn two divisions into one by an overflowing product); below float32's normal range 0, above
+  it inf; zeros, infs and NaNs kept."""
+  rng = np.random.default_rng(0)
+  acc = (rng.standard_normal(20000) * np.exp2(rng.integers(-20, 40, 20000))).astype(np.float32)
+  k = rng.integers(-252, 255, 20000).astype(np.int32)
+  out = np.asarray(jax.jit(_float8.unscale)(acc, k), np.float64)
+  ref = np.ldexp(acc.astype(np.float64), -k)
+  normal = (np.abs(ref) >= 2.0**-126) & (np.abs(ref) < 2.0**128)
+  assert normal.mean() > 0.4 and (np.abs(ref) < 2.0**-126).any() and (np.abs(ref) >= 2.0**128).any()
+  np.testing.assert_array_equal(out[normal], ref[normal])
+  np.testing.assert_array_equal(out[np.abs(ref) < 2.0**-126], 0.0)
+  np.testing.assert_array_equal(out[np.abs(ref) >= 2.0**128], np.sign(ref[np.abs(ref) >= 2.0**128]) * np.inf)
+  special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32)
+  for shift in (-200, 200):
+    np.testing.assert_array_equal(jax.jit(_float8.unscale)(special, np.int32(shift)), special)
+
+
+def test_scaling_by_a_power_of_two_gives_the_same_codes():
+  x = normal((128,))
+  q, k = _float8.quantize(jnp.asarray(x), E4M3)
+  for j in (-40, -20, 13, 60):
+    qj, kj = _float8.quantize(jnp.asarray(np.ldexp(x, j)), E4M3)
+    np.testing.assert_array_equal(np.asarray(qj).view(np.uint8), np.asarray(q).view(np.uint8))
+    assert int(kj) == int(k) - j
+
+
+# --- the product ----------------------------------------------------------------------------------
+
+
+def check_forward(a, b, compute=jnp.float32, dims=MATMUL):
+  """The float8 product against float64: within the format's bound; against the float64 product of
+  the reference's float8 values, within float32's summation bound alone (the quantization is the
+  reference's, bit for bit, so only the order of the sum may differ). Returns the bound's share used."""
+  y = jax.jit(lambda a, b: float8_matmul(a, b, compute, dims))(a, b)
+  assert y.dtype == np.dtype(compute)
+  y = np.asarray(y, np.float64)
+  (qa, ka), (qb, kb) = reference_quantize(a, E4M3), reference_quantize(b, E4M3)
+  terms = int(np.prod([np.shape(a)[d] for d in dims[0][0]]))
+  exact = np.ldexp(dot64(qa.astype(np.float64), qb.astype(np.float64), dims), -(ka + kb))
+  product = lambda x, z: dot64(x, z, dims)
+  # Cast to the compute dtype: half an ulp of the result (2**-24 for float32, 2**-8 for bfloat16).
+  cast = 2.0 ** -(jnp.finfo(compute).nmant + 1)
+  summed = (terms * 2.0**-24 / (1 - terms * 2.0**-24)) * np.ldexp(product(np.abs(qa.astype(float)), np.abs(qb.astype(float))), -(ka + kb))
+  assert (np.abs(y - exact) <= summed * (1 + cast) + cast * np.abs(exact)).all()
+  bound = error_bound(product, a, b, ka, kb, E4M3, E4M3, terms) * (1 + cast) + cast * np.abs(exact)
+  error = np.abs(y - dot64(a, b, dims))
+  assert (error <= bound).all(), np.max(error / bound)
+  return float(np.max(error / bound))
+
+
+def test_product_within_the_formats_bound():
+  share = check_forward(normal((64, 96)), normal((96, 80), seed=1))
+  assert share > 0.05  # the bound is not vacuous: the errors reach a fair part of it
+
+
+def test_product_in_bfloat16():
+  check_forward(normal((32, 64)), normal((64, 48), seed=1), compute=jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "shapes,dims",
+    [
+        (((2, 5, 3, 4), (4, 2, 3, 6)), (((3, 2), (0, 2)), ((0,), (1,)))),  # two contracted, permuted, a batch
+        (((7, 3, 16), (3, 16, 7)), (((2,), (1,)), ((1,), (0,)))),  # the batch last on the left
+        (((16,), (16, 5)), (((0,), (0,)), ((), ()))),  # a vector
+    ],
+    ids=["permuted", "batch_inside", "vector"],
+)
+def test_product_with_any_dimension_numbers(shapes, dims):
+  check_forward(normal(shapes[0]), normal(shapes[1], seed=1), dims=dims)
+
+
+@pytest.mark.parametrize("factor", [1e-6, 1.0, 1e4])
+def test_scale_invariance(factor):
+  """At 1e-6 and 1e4 the product keeps the bound it keeps at 1: the bound is relative (u) plus a
+  subnormal term relative to each operand's amax, so it scales with the inputs."""
+  a, b = normal((64, 96)) * np.float32(factor), normal((96, 80), seed=1) * np.float32(factor)
+  check_forward(a, b)
+  if factor != 1.0:  # float8 without the scale: 1e-6 flushes to zero, 1e4 overflows to NaN
+    plain = dot64(a.astype(E4M3).astype(np.float64), b.astype(E4M3).astype(np.float64))
+    (_, ka), (_, kb) = reference_quantize(a, E4M3), reference_quantize(b, E4M3)
+    bound = error_bound(dot64, a, b, ka, kb, E4M3, E4M3, 96)
+    assert not (np.abs(plain - dot64(a, b)) <= bound).all()
+
+
+def test_convolution_within_the_formats_bound(x64):
+  x, w = normal((2, 8, 9, 9)), normal((16, 8, 3, 3), seed=1)
+  conv = lambda a, b: lax.conv(a, b, (1, 1), "SAME")
+  primitive, params = operation(conv, x, w)
+  y = np.asarray(_float8._scaled(primitive, params, jnp.float32, F32, F32)(x, w), np.float64)
+  conv64 = lambda a, b: np.asarray(conv(np.asarray(a, np.float64), np.asarray(b, np.float64)))
+  (_, ka), (_, kb) = reference_quantize(x, E4M3), reference_quantize(w, E4M3)
+  bound = error_bound(conv64, x, w, ka, kb, E4M3, E4M3, 8 * 9)
+  assert (np.abs(y - conv64(x, w)) <= bound).all()
+
+
+# --- the gradients, in e5m2 ----------------------------------------------------------------------
+
+
+def dot_vjp64(a, b, g, dims):
+  """The cotangents of dot_general's operands in float64, by JAX's own rule (x64 on)."""
+  a, b, g = (jnp.asarray(x, jnp.float64) for x in (a, b, g))
+  _, pullback = jax.vjp(lambda a, b: lax.dot_general(a, b, dims), a, b)
+  return [np.asarray(x) for x in pullback(g)]
+
+
+GRADIENT_CASES = {
+    "matrix": ((48, 64), (64, 32), MATMUL),
+    "permuted": ((2, 5, 3, 16), (16, 2, 3, 6), (((3, 2), (0, 2)), ((0,), (1,)))),
+}
+
+
+@pytest.mark.parametrize("g_scale", [1e-8, 1.0, 1e6])
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_gradients_in_e5m2_within_the_formats_bound(case, g_scale, x64):
+  """Gradients of 1e-8 are below e5m2's smallest subnormal (2**-16) and 1e6 above its largest
+  (57344): scaled, they neither flush nor overflow, and keep the bound they keep at 1."""
+  a_shape, b_shape, dims = GRADIENT_CASES[case]
+  a, b = normal(a_shape), normal(b_shape, seed=1)
+  y, pullback = jax.vjp(lambda a, b: float8_matmul(a, b, dims=dims), jnp.asarray(a), jnp.asarray(b))
+  g = normal(y.shape, seed=2, scale=g_scale)
+  da, db = pullback(jnp.asarray(g))
+  assert da.dtype == db.dtype == F32
+  (_, ka), (_, kb), (_, kg) = (reference_quantize(x, f) for x, f in ((a, E4M3), (b, E4M3), (g, E5M2)))
+  ref_da, ref_db = dot_vjp64(a, b, g, dims)
+  lhs_product = lambda x, z: dot_vjp64(np.zeros(a_shape), z, x, dims)[0]  # (g, b) -> the lhs's cotangent
+  rhs_product = lambda x, z: dot_vjp64(z, np.zeros(b_shape), x, dims)[1]  # (g, a) -> the rhs's
+  # Each element of a cotangent sums over g's elements that share its non-contracted coordinates.
+  terms_a = int(g.size // np.prod([a_shape[d] for d in range(a.ndim) if d not in dims[0][0]]))
+  terms_b = int(g.size // np.prod([b_shape[d] for d in range(b.ndim) if d not in dims[0][1]]))
+  bound_a = error_bound(lhs_product, g, b, kg, kb, E5M2, E4M3, terms_a)
+  bound_b = error_bound(rhs_product, g, a, kg, ka, E5M2, E4M3, terms_b)
+  assert (np.abs(np.asarray(da, np.float64) - ref_da) <= bound_a).all()
+  assert (np.abs(np.asarray(db, np.float64) - ref_db) <= bound_b).all()
+  # The bounds say something: gradients flushed to zero (or overflowed) would break them.
+  assert (np.abs(ref_da) > bound_a).mean() > 0.2 and (np.abs(ref_db) > bound_b).mean() > 0.2
+  if g_scale != 1.0:  # and would be, without the scale
+    assert not np.isfinite(g.astype(E5M2).astype(float)).all() or not g.astype(E5M2).astype(float).any()
+
+
+def test_convolution_gradients_within_the_formats_bound(x64):
+  x, w = normal((2, 8, 9, 9)), normal((16, 8, 3, 3), seed=1)
+  conv = lambda a, b: lax.conv(a, b, (1, 1), "SAME")
+  primitive, params = operation(conv, x, w)
+  y, pullback = jax.vjp(_float8._scaled(primitive, params, jnp.float32, F32, F32), jnp.asarray(x), jnp.asarray(w))
+  g = normal(y.shape, seed=2, scale=1e-7)
+  dx, dw = pullback(jnp.asarray(g))
+  (_, kx), (_, kw), (_, kg) = (reference_quantize(v, f) for v, f in ((x, E4M3), (w, E4M3), (g, E5M2)))
+  vjp64 = lambda a, b, c: jax.vjp(conv, jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64))[1](jnp.asarray(c, jnp.float64))
+  ref_dx, ref_dw = (np.asarray(r) for r in vjp64(x, w, g))
+  bound_x = error_bound(lambda c, b: np.asarray(vjp64(np.zeros(x.shape), b, c)[0]), g, w, kg, kw, E5M2, E4M3, 16 * 9)
+  bound_w = error_bound(lambda c, a: np.asarray(vjp64(a, np.zeros(w.shape), c)[1]), g, x, kg, kx, E5M2, E4M3, 2 * 81)
+  assert (np.abs(np.asarray(dx, np.float64) - ref_dx) <= bound_x).all()
+  assert (np.abs(np.asarray(dw, np.float64) - ref_dw) <= bound_w).all()
+
+
+def test_gradients_reach_each_operand_in_its_own_dtype():
+  a, b = jnp.asarray(normal((32, 16)), jnp.bfloat16), jnp.asarray(normal((16, 32)))
+  y, pullback = jax.vjp(lambda a, b: float8_matmul(a, b, compute=jnp.bfloat16), a, b)
+  da, db = pullback(jnp.ones_like(y))
+  assert (y.dtype, da.dtype, db.dtype) == (jnp.bfloat16, jnp.bfloat16, F32)
+
+
+# --- zeros, inf, NaN -----------------------------------------------------------------------------
+
+
+def test_zero_operand_gives_zeros_and_finite_gradients():
+  a, b = jnp.zeros((16, 32)), jnp.asarray(normal((32, 16)))
+  y, pullback = jax.vjp(float8_matmul, a, b)
+  da, db = pullback(jnp.asarray(normal((16, 16), seed=2)))
+  np.testing.assert_array_equal(y, 0.0)
+  np.testing.assert_array_equal(db, 0.0)
+  assert np.isfinite(da).all() and (da != 0).any()
+  _, zero_pullback = jax.vjp(float8_matmul, jnp.asarray(normal((16, 32))), b)
+  np.testing.assert_array_equal(zero_pullback(jnp.zeros((16, 16)))[0], 0.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_input_stays_visible(bad):
+  """A NaN or inf is not scaled or quantized away: its row of the result is not finite (inf becomes
+  NaN in e4m3fn, which has no inf), and a non-finite gradient reaches both operands' gradients."""
+  a, b = normal((16, 32)), jnp.asarray(normal((32, 16), seed=1))
+  a[3, 5] = bad
+  y, pullback = jax.vjp(float8_matmul, jnp.asarray(a), b)
+  assert not np.isfinite(y[3]).any()
+  g = normal((16, 16), seed=2)
+  g[7, 2] = bad
+  da, db = pullback(jnp.asarray(g))
+  assert not np.isfinite(da[7]).any() and not np.isfinite(db[:, 2]).all()
+
+
+# --- the policy ----------------------------------------------------------------------------------
+
+
+def test_the_preset_is_mixed_bfloat16_with_float8_matmuls():
+  policy = jaxscale.get_policy("mixed_float8")
+  assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (F32, np.dtype(jnp.bfloat16), F32)
+  assert policy.matmul_dtype == E4M3 and jaxscale.get_policy("mixed_bfloat16").matmul_dtype is None
+  assert str(policy) == "params=float32,compute=bfloat16,output=float32,matmul=float8_e4m3fn"
+  assert jaxscale.get_policy(str(policy)) == policy == jaxscale.get_policy("p=f32,c=bf16,o=f32,m=f8")
+  assert jaxscale.needs_loss_scaling(policy) is False and jaxscale.needs_loss_scaling("mixed_float8") is False
+  assert jaxscale.needs_loss_scaling("p=f32,c=f16,o=f32,m=f8") is True  # float16 elementwise work still underflows
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "compute_dtype", "output_dtype"])
+def test_a_float8_policy_dtype_says_to_use_the_preset(field):
+  dtypes = {"param_dtype": F32, "compute_dtype": F32, "output_dtype": F32, field: jnp.float8_e4m3fn}
+  with pytest.raises(ValueError, match=f"`Policy.{field}` cannot be the float8 dtype float8_e4m3fn: .* Use the preset 'mixed_float8'"):
+    jaxscale.Policy(**dtypes)
+
+
+def test_a_matmul_dtype_other_than_e4m3_is_refused():
+  with pytest.raises(ValueError, match="`Policy.matmul_dtype` must be None .* or float8_e4m3fn"):
+    jaxscale.Policy(F32, jnp.bfloat16, F32, jnp.float8_e5m2)
+  with pytest.raises(ValueError, match="Unknown matmul dtype 'f16' in policy 'm=f16'; the one there is 'float8'"):
+    jaxscale.get_policy("m=f16")
+
+
+# --- autocast: any model, every matmul in float8 ---------------------------------------------------
+
+WIDER = "jaxscale_float8_wider_"  # the name of the jit around a matmul kept wider, and why
+
+
+def matmuls(jaxpr, reason=None):
+  """(dtypes of the operands, reason) of every matmul at any depth; reason: the wider jit it sits in."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+      yield tuple(np.dtype(v.aval.dtype) for v in eqn.invars), reason
+    name = str(eqn.params.get("name", ""))
+    inner_reason = name.split(WIDER)[1].rstrip(")") if WIDER in name else reason
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(item, "jaxpr", item)
+        if hasattr(inner, "eqns"):
+          yield from matmuls(inner, inner_reason)
+
+
+def assert_float8(fun, *args, wider=()):
+  """In the jaxpr of `jax.grad(fun)`, each matmul is float8 (forward e4m3 x e4m3, backward the e5m2
+  gradient times an e4m3 operand) or sits in a jit marked with one of the reasons in `wider`."""
+  found = list(matmuls(jax.make_jaxpr(jax.grad(fun))(*args).jaxpr))
+  kinds = set()
+  for dtypes, reason in found:
+    if reason is not None:
+      assert reason in wider, (dtypes, reason)
+      kinds.add(reason)
+    else:
+      assert dtypes in ((E4M3, E4M3), (E5M2, E4M3)), dtypes
+      kinds.add(dtypes)
+  assert {(E4M3, E4M3), (E5M2, E4M3)} <= kinds and set(wider) <= kinds
+  return found
+
+
+def assert_close_to_float32(cast_loss, loss, params, *args):
+  """Loss and gradients near float32's, gradients in float32.
+
+  Each float8 matmul's operands round by up to 2**-4 (e4m3) and the gradient by 2**-3 (e5m2)
+  relative, so an element of a product is off by up to about 2**-3 of the sum of its terms'
+  magnitudes (the bound of the tests above), and so is the loss of near-uniform logits; a gradient
+  as a whole (norm) by a few times that, through the two or three matmuls of these models.
+  """
+  value, grads = jax.jit(jax.value_and_grad(cast_loss))(params, *args)
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(loss))(params, *args)
+  assert value.dtype == F32 and abs(float(value) - float(ref_value)) <= 2.0**-3 * abs(float(ref_value))
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    assert g.dtype == r.dtype == F32
+    assert np.linalg.norm(np.asarray(g) - np.asarray(r)) <= 0.5 * np.linalg.norm(np.asarray(r))
+  step = jax.jit(jax.value_and_grad(cast_loss))
+  for _ in range(3):
+    jax.block_until_ready(step(params, *args))
+  assert step._cache_size() == 1
+
+
+def cross_entropy(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def data(n=32, d=32, classes=5):
+  return jax.random.normal(jax.random.key(1), (n, d)), jax.random.randint(jax.random.key(2), (n,), 0, classes)
+
+
+def check_model(loss, params, *args, wider=("small",)):
+  """The model under "mixed_float8": float8 matmuls; the 5-class logits (5 < 16) kept wider."""
+  cast_loss = jaxscale.autocast(loss, "mixed_float8")
+  assert_float8(cast_loss, params, *args, wider=wider)
+  assert_close_to_float32(cast_loss, loss, params, *args)
+
+
+def test_linen_model_whose_every_layer_says_float32():
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(64, dtype=jnp.float32, param_dtype=jnp.float32)(x)
+      x = nn.LayerNorm(dtype=jnp.float32)(nn.gelu(x))
+      x = nn.Conv(16, (3,), dtype=jnp.float32)(x.reshape(x.shape[0], 4, 16)).reshape(x.shape[0], -1)
+      return nn.Dense(5, dtype=jnp.float32)(nn.relu(x))
+
+  x, y = data()
+  model = Net()
+  params = model.init(jax.random.key(0), x)
+  check_model(lambda p, x, y: cross_entropy(model.apply(p, x), y), params, x, y, wider=("small", "conv_backward"))
+
+
+def test_nnx_model_with_float32_param_dtype_and_dtype():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      kw = {"dtype": jnp.float32, "param_dtype": jnp.float32, "rngs": rngs}
+      self.hidden, self.norm, self.out = nnx.Linear(32, 64, **kw), nnx.LayerNorm(64, **kw), nnx.Linear(64, 5, **kw)
+
+    def __call__(self, x):
+      return self.out(nnx.relu(self.norm(self.hidden(x))))
+
+  x, y = data()
+  graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+  check_model(lambda s, x, y: cross_entropy(nnx.merge(graphdef, s)(x), y), state, x, y)
+
+
+def test_equinox_mlp():
+  import warnings
+
+  with warnings.catch_warnings():  # equinox 0.13.0 touches a name that jax 0.7.1 deprecates, at import
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import equinox as eqx
+
+  mlp = eqx.nn.MLP(32, 5, 64, depth=2, key=jax.random.key(0))
+  params, static = eqx.partition(mlp, eqx.is_array)
+  check_model(lambda p, x, y: cross_entropy(jax.vmap(eqx.combine(p, static))(x), y), params, *data())
+
+
+def test_plain_jax_scan_over_layers_with_remat_and_a_custom_vjp_activation():
+  @jax.custom_vjp
+  def soft_clip(x):
+    return 4 * jnp.tanh(x / 4)
+
+  soft_clip.defvjp(lambda x: (soft_clip(x), x), lambda x, g: (g * (1 - jnp.tanh(x / 4) ** 2),))
+
+  def loss(params, x, y):
+    @jax.checkpoint
+    def layer(h, w):
+      return soft_clip(h @ w), None
+
+    h, _ = jax.lax.scan(layer, x, params["stack"])
+    return cross_entropy(h @ params["out"], y)
+
+  keys = jax.random.split(jax.random.key(0), 2)
+  params = {"stack": jax.random.normal(keys[0], (3, 32, 32)) / 6, "out": jax.random.normal(keys[1], (32, 5)) / 6}
+  check_model(loss, params, *data())
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def test_report_counts_float8_forward_and_backward_and_says_what_stayed_wider():
+  """Two layers by hand: x[32,32] @ w1[32,64] in float8, the 5-wide logits h @ w2[64,5] kept in
+  bfloat16 (5 < 16). A matmul of [m,k] by [k,n] is 2*m*k*n FLOPs; the backward has two per layer
+  (both operands' cotangents; `make_jaxpr` drops neither)."""
+
+  def loss(params, x):
+    h = jnp.tanh(x @ params["w1"])
+    return jnp.mean(jax.nn.logsumexp(h @ params["w2"], axis=-1))
+
+  params = {"w1": jnp.ones((32, 64)) / 32, "w2": jnp.ones((64, 5)) / 64}
+  x = jnp.asarray(normal((32, 32)))
+  cast = jaxscale.autocast(loss, "mixed_float8")
+  first, second = 2.0 * 32 * 32 * 64, 2.0 * 32 * 64 * 5
+  forward = jaxscale.precision_report(cast, params, x)
+  assert forward.matmul_flops == {"float8_e4m3fn": first, "bfloat16": second}
+  assert forward.kept_wider == {"small": second}
+  report = jaxscale.precision_report(jax.grad(cast), params, x)
+  assert report.matmul_flops == {"float8_e4m3fn": first, "float8_e5m2": 2 * first, "bfloat16": 3 * second}
+  assert report.kept_wider == {"small": 3 * second}
+  assert report.share("float8_e4m3fn") + report.share("float8_e5m2") == 3 * first / (3 * first + 3 * second)
+  text = str(report)
+  assert "float8_e5m2" in text and "float8: " in text
+  assert "(small): a contracted size or an output dimension below 16" in text
+
+
+def test_report_names_the_convolution_backward():
+  def loss(w, x):
+    return jnp.sum(jax.lax.conv(x, w, (1, 1), "SAME") ** 2)
+
+  w, x = jnp.asarray(normal((16, 16, 3, 3))), jnp.asarray(normal((2, 16, 8, 8), seed=1))
+  report = jaxscale.precision_report(jax.grad(jaxscale.autocast(loss, "mixed_float8")), w, x)
+  flops = 2.0 * 2 * 8 * 8 * 16 * 16 * 9  # output elements times 2 * (in features * window)
+  assert report.matmul_flops == {"float8_e4m3fn": flops, "float32": 2 * flops}
+  assert report.kept_wider == {"conv_backward": 2 * flops}
+  assert "`lax.conv_general_dilated` takes one dtype for both operands" in str(report)
+
+
+def test_integer_matmuls_are_left_as_they_are():
+  def f(a, b, w, x):
+    return (a @ b).astype(jnp.float32).sum() + (x @ w).sum()
+
+  a, b = jnp.ones((32, 32), jnp.int32), jnp.ones((32, 32), jnp.int32)
+  report = jaxscale.precision_report(jaxscale.autocast(f, "mixed_float8"), a, b, jnp.ones((32, 32)), jnp.ones((32, 32)))
+  assert report.matmul_flops == {"int32": 2.0 * 32**3, "float8_e4m3fn": 2.0 * 32**3}
+
+
+# --- misuse --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_bfloat16"])
+def test_a_float8_parameter_is_a_warning_that_says_to_store_float32(policy):
+  params, x = {"w": jnp.ones((32, 32), jnp.float8_e4m3fn), "b": jnp.ones(32)}, jnp.ones((32, 32))
+  loss = jaxscale.autocast(lambda p, x: jnp.sum(x @ p["w"].astype(jnp.float32) + p["b"]), policy)
+  with pytest.warns(UserWarning, match=r"got float8 arrays among its arguments \(float8_e4m3fn\[32, 32\]\)\. .*"
+                    r"Store them in float32 .* use the policy 'mixed_float8'") as record:
+    loss(params, x)
+  assert record[0].filename == __file__  # the warning points at the call, not into jaxscale
+  with pytest.warns(UserWarning, match="got float8 arrays"):
+    assert jax.grad(loss)(params, x)["w"].dtype == E4M3  # what the warning is about
+
+
+def test_a_matmul_primitive_float8_does_not_reach_is_a_warning_that_says_what_to_do():
+  x, w, sizes = jnp.ones((32, 32)), jnp.ones((2, 32, 32)), jnp.array([16, 16], jnp.int32)
+  ragged = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
+  with pytest.warns(UserWarning, match="met `ragged_dot_general`, a matmul it does not run in float8.*'mixed_bfloat16'"):
+    out = jaxscale.autocast(ragged, "mixed_float8")(x, w)
+  np.testing.assert_array_equal(out, ragged(x, w))  # as the program gave it: float32
+
+
+def test_loss_scaling_on_changes_nothing_bit_for_bit():
+  """With "mixed_float8", `needs_loss_scaling` is False; a scaler left on anyway is harmless: a
+  power-of-two loss scale shifts every e5m2 scale by its exponent, so the float8 codes, and after
+  exact unscaling the gradients, are the same bits as without it."""
+  def loss(params, x):
+    h = jax.nn.gelu(x @ params["w1"])
+    return jnp.mean(jax.nn.logsumexp(h @ params["w2"], axis=-1))
+
+  params = {"w1": jnp.asarray(normal((32, 64), scale=0.2)), "w2": jnp.asarray(normal((64, 32), seed=1, scale=0.2))}
+  x = jnp.asarray(normal((32, 32), seed=2))
+  grad = jax.jit(jaxscale.value_and_grad(jaxscale.autocast(loss, "mixed_float8")))
+  on, off = jaxscale.init(init_scale=2.0**16), jaxscale.init(enabled=jaxscale.needs_loss_scaling("mixed_float8"))
+  (_, grads_on, finite), (_, grads_off, _) = grad(on, params, x), grad(off, params, x)
+  assert bool(finite)
+  for a, b in zip(jax.tree.leaves(grads_on), jax.tree.leaves(grads_off)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_nearest_is_ml_dtypes_rounding_where_a_cast_alone_rounds_twice():
+  """75.99976 (float32) is nearest to 72 in e4m3; through float16 it becomes 76, a tie, then 80 (what
+  XLA:CPU of jax 0.7.1 does for a cast alone). Rounded by `nearest`, every backend's cast is exact."""
+  x = np.array([np.nextafter(np.float32(76), np.float32(0)), 76.0, 75.0, -0.0, 2.0**-10, 3 * 2.0**-11], np.float32)
+  ref = x.astype(E4M3)
+  np.testing.assert_array_equal(np.asarray(_float8.nearest(jnp.asarray(x), E4M3), np.float32), ref.astype(np.float32))
+  q, k = _float8.quantize(jnp.asarray(x), E4M3)  # eagerly: the cast runs alone
+  assert int(k) == 2
+  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.ldexp(x.astype(np.float64), 2).astype(E4M3).view(np.uint8))
