@@ -275,6 +275,51 @@ def jaxscale_skipping_by(skip):
   return variant
 
 
+# ---------------------------------------------------------------- finite checks
+# jaxscale with another form of its finite check (`_scaler.all_finite`, which the gradient site and
+# the wrapper share), swapped in while the step is traced.
+
+
+def check_by_isfinite_all(tree, *, axis_name=None):
+  """jmp's and optax.apply_if_finite's form: `isfinite(g).all()` per leaf, stacked, then all."""
+  from jaxscale import _tree
+
+  flags = [jnp.isfinite(g).all() for g in jax.tree.leaves(tree) if _tree.is_floating(g)]
+  finite = jnp.stack(flags).all() if flags else jnp.asarray(True)
+  if axis_name is not None:
+    finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+  return finite
+
+
+def check_by_stacked_sums(tree, *, axis_name=None):
+  """The library's `g * 0` sums, stacked and summed at once instead of added up in a chain."""
+  from jaxscale import _tree
+
+  sums = [jnp.sum(g * 0).astype(jnp.float32) for g in jax.tree.leaves(tree) if _tree.is_floating(g)]
+  finite = jnp.isfinite(jnp.stack(sums).sum()) if sums else jnp.asarray(True)
+  if axis_name is not None:
+    finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+  return finite
+
+
+def jaxscale_checking_by(check):
+  def variant(opt):
+    init, step = jaxscale_wrapper(opt)
+
+    def traced_with_check(*args):
+      from jaxscale import _scaler
+
+      library_check, _scaler.all_finite = _scaler.all_finite, check
+      try:
+        return step(*args)
+      finally:
+        _scaler.all_finite = library_check
+
+    return init, traced_with_check
+
+  return variant
+
+
 # Name -> builder. A new peer is one more line here (and, if it steps on the true gradients, in
 # UNSCALED; if it needs an optional library, a guard in its builder).
 VARIANTS = {
@@ -282,6 +327,8 @@ VARIANTS = {
     "jaxscale": jaxscale_wrapper,  # skips by a select on the inner update's outputs
     "jaxscale, skip by cond": jaxscale_skipping_by(skip_by_cond),
     "jaxscale, skip where produced": jaxscale_skipping_by(skip_where_produced),
+    "jaxscale, check isfinite-all": jaxscale_checking_by(check_by_isfinite_all),
+    "jaxscale, check stacked sums": jaxscale_checking_by(check_by_stacked_sums),
     "jmp+apply_if_finite": jmp_apply_if_finite,
     "flax DynamicScale": flax_dynamic_scale,
     "plain keras": functools.partial(keras_variant, loss_scale=False),

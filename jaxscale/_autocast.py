@@ -384,7 +384,8 @@ def _promote(eqn, ins):
   """
   floating = [(x, v) for x, v in zip(ins, eqn.invars) if _floating(v.aval)]
   strong = [_dtype(x) for x, v in floating if not (_interpret.is_literal(v) or v.aval.weak_type)]
-  dtypes = strong or [_dtype(x) for x, _ in floating]
+  traced = [_dtype(x) for x, v in floating if not _interpret.is_literal(v)]
+  dtypes = strong or traced or [_dtype(x) for x, _ in floating]
   if not dtypes:
     return ins
   common = functools.reduce(jnp.promote_types, dtypes)

@@ -67,12 +67,13 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
     _scaler.warn_if_constant(state, (args, kwargs), "value_and_grad")
 
     def scaled_fun(*args, **kwargs):
-      scaled_in_call: list = []
-      token = _scaler._scaled_here.set(scaled_in_call)
+      uses = {"scale": 0, "unscale": 0}
+      token = _scaler._uses_here.set(uses)
       try:
         out = fun(*args, **kwargs)
       finally:
-        _scaler._scaled_here.reset(token)
+        _scaler._uses_here.reset(token)
+      _scaler.refuse_scaling_inside(uses)
       if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
         # `out[0]` of an array would differentiate its first element alone.
         shape = getattr(out, "shape", None)
@@ -80,9 +81,7 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
         raise TypeError(
             f"With `has_aux=True`, `fun` must return a pair `(loss, aux)`, as for `jax.grad`; it returned {what}."
         )
-      loss = out[0] if has_aux else out
-      _scaler.refuse_scaled_loss(loss, scaled_in_call)
-      return _scaler.scale(state, loss), out
+      return _scaler.scale_unchecked(state, out[0] if has_aux else out), out
 
     grads, value = grad(scaled_fun, argnums=argnums, has_aux=True)(*args, **kwargs)
     grads, finite = _scaler.unscale_and_check_unchecked(state, grads, axis_name=axis_name)

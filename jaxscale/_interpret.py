@@ -21,6 +21,7 @@ are gated on ``JAX_VERSION`` below, with the release that changed them.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,8 +50,15 @@ def is_open(value) -> bool:
   return hasattr(value, "eqns") and hasattr(value, "invars") and hasattr(value, "outvars")
 
 
+# `jax.extend.core.Literal` is there from jax 0.7.1 (the oldest supported) to 0.12; should a
+# release drop the name, a literal is still the one jaxpr atom that carries its value.
+_LITERAL = getattr(core, "Literal", None)
+
+
 def is_literal(var) -> bool:
-  return isinstance(var, core.Literal)
+  if _LITERAL is not None:
+    return isinstance(var, _LITERAL)
+  return type(var).__name__ == "Literal" and hasattr(var, "val")
 
 
 def _items(value):
@@ -92,6 +100,10 @@ def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> li
   types are whatever ``evaluate`` makes of them.
   """
   name = eqn.primitive.name
+  # A primitive that holds a device mesh (`shard_map`) runs its sub-programs with the mesh's
+  # axis names bound; they are bound again while they are traced again.
+  meshes = [v for v in eqn.params.values() if hasattr(v, "axis_names") and hasattr(v, "shape")]
+  axes = [item for mesh in meshes for item in dict(mesh.shape).items()]
 
   def retrace(program):
     closed = program if is_closed(program) else None
@@ -100,8 +112,13 @@ def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> li
     if any(not hasattr(a, "shape") or not hasattr(a, "dtype") or hasattr(a, "inner_aval") for a in avals):
       raise version_error(name, "its sub-program takes values that are not arrays (references or tokens)")
     dtypes = in_dtypes if in_dtypes is not None else [a.dtype for a in avals]
-    shapes = [jax.ShapeDtypeStruct(a.shape, d, weak_type=a.weak_type) for a, d in zip(avals, dtypes)]
-    new = jax.make_jaxpr(lambda *args: evaluate(jaxpr, consts, args))(*shapes)
+    shapes = [shape_of(a, d) for a, d in zip(avals, dtypes)]
+    try:
+      new = jax.make_jaxpr(lambda *args: evaluate(jaxpr, consts, args), axis_env=axes)(*shapes)
+    except NotImplementedError:
+      raise
+    except Exception as error:  # noqa: BLE001  # JAX's, when a sub-program cannot be traced alone
+      raise version_error(name, f"tracing its sub-program again raised {type(error).__name__}: {error}") from error
     if closed is not None:
       return new
     if new.consts:
@@ -121,6 +138,19 @@ def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> li
     return bind(eqn, ins, params)
   except Exception as error:  # noqa: BLE001  # whatever the primitive raises, named with it
     raise version_error(name, f"binding it again with its rebuilt sub-programs raised {type(error).__name__}: {error}") from error
+
+
+# Inside `shard_map`, a value's type says along which mesh axes it varies: `vma` until jax 0.8,
+# `manual_axis_type` since. Kept when a sub-program is traced again, or `shard_map` refuses it.
+_MANUAL_AXES = next((k for k in ("manual_axis_type", "vma") if k in inspect.signature(jax.ShapeDtypeStruct).parameters), None)
+
+
+def shape_of(aval, dtype=None) -> jax.ShapeDtypeStruct:
+  """``aval`` (with ``dtype`` instead of its own, if given) as what ``jax.make_jaxpr`` traces."""
+  kwargs = {"weak_type": getattr(aval, "weak_type", False)}
+  if _MANUAL_AXES is not None and getattr(aval, _MANUAL_AXES, None):
+    kwargs[_MANUAL_AXES] = getattr(aval, _MANUAL_AXES)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype if dtype is None else dtype, **kwargs)
 
 
 def floating(aval) -> bool:

@@ -1,28 +1,33 @@
-"""Low-precision optimizer state: ``inner``'s floating state stored in 16 bits.
+"""Low-precision optimizer state: ``inner``'s floating state stored in bfloat16.
 
 Adam keeps two float32 moments per parameter, 8 of the 12 bytes of float32
-training. ``low_precision_state(inner, dtype=...)`` stores every floating
-state leaf of one or more dimensions as 16-bit values times a float32
-power-of-two scale per tensor, and runs ``inner`` in float32 in between::
+training. ``low_precision_state(inner)`` stores every floating state leaf that
+``inner.update`` changes (moments, momentum, accumulated gradients; not a
+hyperparameter it hands back as it received it) as bfloat16, and runs
+``inner`` in float32 in between::
 
-    state32 = values * scale                           # exact: scale is 2**k
+    state32 = float32(values)                         # exact
     updates, state32 = inner.update(grads, state32, params)
-    scale = 2**(floor(log2(max|state32|)) - 14)        # float16; 1 for bfloat16
-    values = stochastic_round(state32 / scale, dtype)  # unbiased, from a key
+    values = stochastic_round(state32, bfloat16)      # unbiased, from a key
 
-Why each piece (benchmarks/NOTES.md #20 has the measurements):
+Why each piece (benchmarks/NOTES.md #20 and #28 have the measurements):
 
 - Stochastic rounding: Adam's second moment moves by ``1 - b2`` = 0.1% a step,
   below bfloat16's resolution (0.4%): rounded to nearest, a moment that should
   decay stays where it is and the step size with it. Rounded at random it
   decays on average, as the float32 one does.
-- The per-tensor scale, for float16 only: float16 spans 2**-24..65504 and a
-  second moment of gradients of 1e-4 is 1e-8; scaled so that its largest
-  element sits just below 2**15, a tensor keeps 29 binades of normal numbers
-  below it. bfloat16 has float32's range and needs none (and skipping the
-  reduction keeps the compiled step's temporaries smaller).
-- Scalars (counts, hyperparameters, the scaler's state) and non-floating
-  leaves stay as they are: they cost nothing and must stay exact.
+- bfloat16, not float16: its 8-bit exponent holds float32's whole range, so
+  every element keeps its own relative precision (2**-8), however far below
+  its tensor's largest it lies. float16 holds 40 binades: with one scale per
+  tensor, Adam's second moment of a gradient of 1e-6 beside one of 10 (1e-14
+  apart) is stored as 0, and that element steps ``1 / eps`` too far; and the
+  scale of a tensor decaying below 1e-33 flushed to 0 (``x / 0``: NaN).
+  Per-block scales move the boundary, not remove it (NOTES.md #28), so
+  float16 is refused.
+- Scalars (counts, hyperparameters, the scaler's state), constants that
+  ``inner.update`` returns as it received them (``optax.contrib.muon``'s
+  Newton-Schulz coefficients) and non-floating leaves stay as they are: they
+  cost nothing and must stay exact.
 
 A step that a ``dynamic_loss_scaling`` inside or outside skips leaves the
 stored state and the key bit for bit as they were.
@@ -36,13 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxscale import _master, _optax, _policy, _skip, _tree
-
-DTYPES = ("float16", "bfloat16")
-
-# Headroom: the largest element stored is below 2**(_TOP + 1), so stochastic rounding up by an ulp
-# stays finite in float16 (65504 < 2**16).
-_TOP = 14
+from jaxscale import _optax, _policy, _rounding, _skip, _tree
 
 # State types whose floating leaves are copies of the parameters (or anchors built from them):
 # 16 bits lose every update below half their ulp, the failure `master_weights` exists for.
@@ -64,11 +63,12 @@ REFUSED = {
 }
 
 
-class LowPrecisionArray(NamedTuple):
-  """One stored state leaf: ``values * scale`` is its float32 value."""
 
-  values: jax.Array  # like the leaf, dtype float16 or bfloat16
-  scale: jax.Array  # shape=(), dtype=float32; a power of two
+
+class LowPrecisionArray(NamedTuple):
+  """One stored state leaf: its float32 value rounded stochastically to bfloat16."""
+
+  values: jax.Array  # like the leaf, dtype bfloat16
 
 
 class LowPrecisionState(NamedTuple):
@@ -91,20 +91,20 @@ def low_precision_state(
     dtype: Any = jnp.bfloat16,
     key: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
-  """Stores ``inner``'s floating state in ``dtype``: 2 bytes per element instead of 4.
+  """Stores ``inner``'s floating state in bfloat16: 2 bytes per element instead of 4.
 
-  Every floating state leaf with at least one dimension (Adam's moments,
-  momentum, accumulated gradients, ...) is stored as 16-bit values times a
-  float32 power-of-two scale per tensor (float16; bfloat16 needs none),
-  rounded stochastically from a PRNG key held in the state; ``inner`` runs in float32 on the decoded state.
-  Scalars and integer leaves (counts, hyperparameters) are not touched.
+  Every floating state leaf with at least one element that ``inner.update``
+  changes (Adam's moments, momentum, accumulated gradients, ...) is stored in
+  bfloat16, rounded stochastically from a PRNG key held in the state;
+  ``inner`` runs in float32 on the decoded state. Scalars, integer leaves
+  (counts, hyperparameters) and constants ``inner.update`` hands back as it
+  received them are not touched.
 
   The stored value is unbiased: its expectation is the float32 state, and
-  each element is within one ulp of it (relative 2**-7 for bfloat16, 2**-10
-  for float16, on elements within 2**-14 of their tensor's largest; smaller
-  float16 elements down to 2**-24 of it are subnormal, with the absolute error
-  of its smallest ulp). The rounding noise does not accumulate: a moment with
-  decay ``b`` carries about ``1 / sqrt(1 - b**2)`` steps of it.
+  each element is within one bfloat16 ulp of it (relative 2**-7; 2**-8 on
+  average), whatever its distance from the rest of its tensor: bfloat16 has
+  float32's exponent range. The rounding noise does not accumulate: a moment
+  with decay ``b`` carries about ``1 / sqrt(1 - b**2)`` steps of it.
 
   Compose it inside the scaler, and the scaler inside ``master_weights``:
   ``master_weights(dynamic_loss_scaling(low_precision_state(adam)), method="kahan")``
@@ -112,7 +112,7 @@ def low_precision_state(
 
   Args:
     inner: the optimizer whose state to store.
-    dtype: ``jnp.bfloat16`` (the default) or ``jnp.float16``.
+    dtype: ``jnp.bfloat16`` (the default and the only one accepted: see Raises).
     key: the seed of the stochastic rounding, an int or a PRNG key.
 
   Returns:
@@ -120,10 +120,11 @@ def low_precision_state(
     :class:`LowPrecisionState`.
 
   Raises:
-    ValueError: for another ``dtype``; from ``init``, for an optimizer whose
-      state holds a copy of the parameters, which 16 bits cannot carry:
-      ``optax.contrib``'s schedule_free, sam, cocob, dog, dowg, madgrad,
-      mechanize and prodigy, ``optax.lbfgs``,
+    ValueError: for another ``dtype`` (float16's 5-bit exponent cannot hold a
+      second moment's range within one tensor); from ``init``, for an
+      optimizer whose state holds a copy of the parameters, which 16 bits
+      cannot carry: ``optax.contrib``'s schedule_free, sam, cocob, dog, dowg,
+      madgrad, mechanize and prodigy, ``optax.lbfgs``,
       ``optax.scale_by_distance_over_gradients``, and ``master_weights``.
 
   Examples:
@@ -134,35 +135,44 @@ def low_precision_state(
     >>> updates, state = tx.update(jnp.ones(3), state, params)
     >>> updates  # Adam's first step, as in float32: -lr * g / (|g| + eps)
     Array([-0.00099999, -0.00099999, -0.00099999], dtype=float32)
-    >>> state.inner_state[0].nu  # 16-bit values times a scale (1 in bfloat16, which has float32's range)
-    LowPrecisionArray(values=Array([0.000999451, 0.000999451, 0.000999451], dtype=bfloat16), scale=Array(1., dtype=float32))
+    >>> state.inner_state[0].nu  # 0.001 rounded down or up to a bfloat16 neighbour
+    LowPrecisionArray(values=Array([0.000999451, 0.000999451, 0.000999451], dtype=bfloat16))
   """
   name = jnp.dtype(dtype).name if _is_dtype(dtype) else None
-  if name not in DTYPES:
+  if name == "float16":
     raise ValueError(
-        f"`low_precision_state` got dtype={dtype!r}; use jnp.bfloat16 or jnp.float16."
+        "`low_precision_state` got dtype=float16, whose 5-bit exponent spans 40 binades: within one "
+        "tensor, Adam's second moment of small gradients beside large ones falls below it and is "
+        "stored as 0, and that element steps 1/eps too far (benchmarks/NOTES.md #28). Use "
+        "jnp.bfloat16 (the default): float32's range in 16 bits, stored and read on any device, "
+        "float16 ones included."
     )
-  dtype = jnp.dtype(name)
+  if name != "bfloat16":
+    raise ValueError(f"`low_precision_state` got dtype={dtype!r}; use jnp.bfloat16 (the default).")
   _optax.require_transformation(inner, "low_precision_state")
   inner = optax.with_extra_args_support(inner)
-  seed = _master._raw_key(key, "low_precision_state") if not isinstance(key, int) else None
+  seed = None if isinstance(key, int) else _rounding.raw_key(key, "low_precision_state")
 
   def init_fn(params):
     inner_state = inner.init(params)
     _refuse_parameter_copies(inner_state)
+    changing = _changing(inner, inner_state, params)
+    leaves = jax.tree.leaves(inner_state, is_leaf=_tree.is_variable)
+    which = [c and _storable(_tree.unwrap_variable(x)) for x, c in zip(leaves, changing, strict=True)]
     raw = seed if seed is not None else jax.random.PRNGKey(key)
-    return LowPrecisionState(_encode(inner_state, dtype, raw), raw)
+    return LowPrecisionState(_encode(inner_state, which, raw), raw)
 
   def update_fn(updates, state, params=None, **extra_args):
     template = jax.eval_shape(inner.init, params) if params is not None else None
     inner_state = _decode(state.inner_state, template)
     updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
     key, draw = jax.random.split(state.key)
-    stored = _encode(new_inner, dtype, draw)
+    which = [_is_array(x) for x in jax.tree.leaves(state.inner_state, is_leaf=_is_array)]
+    stored = _encode(new_inner, which, draw)
     # A scaler inside `inner` skipped: keep the stored state and the key, bit for bit.
     skipped = _skip.skipped_inside(new_inner)
     # (Only what this wrapper stores: the scaler's own state has moved on.)
-    keep = lambda old, new: jnp.where(skipped, old, new)
+    keep = lambda old, new: _skip.keep(~skipped, old, new)
     stored = jax.tree.map(
         lambda old, new: jax.tree.map(keep, old, new) if _is_array(new) else new,
         state.inner_state, stored, is_leaf=_is_array,
@@ -180,30 +190,56 @@ def _is_dtype(dtype) -> bool:
   return True
 
 
-def _stored(x) -> bool:
-  """Whether a state leaf is stored in low precision: floating, wider than 16 bits, not a scalar."""
-  return _policy.is_floating_array(x) and jnp.finfo(x.dtype).bits > 16 and x.ndim > 0 and x.size > 0
+def _storable(x) -> bool:
+  """Whether a state leaf can be stored in bfloat16: floating, 16 bits or more, not a scalar."""
+  return _policy.is_floating_array(x) and jnp.finfo(x.dtype).bits >= 16 and x.ndim > 0 and x.size > 0
+
+
+def _changing(inner, inner_state, params) -> list[bool]:
+  """For each leaf of ``inner_state`` (an NNX Variable one leaf): whether ``inner.update`` can change it.
+
+  Traced once, abstractly: a leaf that the update returns as the very object it received is a
+  constant (a hyperparameter in the state, such as `optax.contrib.muon`'s Newton-Schulz
+  coefficients), and rounding it to 16 bits would change the optimizer. The probe is advisory: an
+  ``inner`` that needs extra arguments (a `value`, an `obj_fn`, ...) cannot be traced without them
+  and raises (a TypeError or its own ValueError), and then all its leaves count as changing; its
+  ``update``, called with them, raises whatever is really wrong.
+  """
+  plain = lambda tree: jax.tree.map(_tree.unwrap_variable, tree, is_leaf=_tree.is_variable)
+  leaves, treedef = jax.tree.flatten(plain(inner_state))
+  changing = [True] * len(leaves)
+
+  def probe(leaves, params):
+    _, new = inner.update(params, jax.tree.unflatten(treedef, leaves), params)
+    new_leaves = jax.tree.leaves(new)
+    if len(new_leaves) == len(leaves):
+      changing[:] = [new is not old for new, old in zip(new_leaves, leaves)]
+
+  try:
+    jax.eval_shape(probe, leaves, plain(params))
+  except Exception:  # noqa: BLE001 (see the docstring)
+    pass
+  return changing
 
 
 def _is_array(x) -> bool:
   return isinstance(x, LowPrecisionArray)
 
 
-def _encode(tree, dtype, key):
-  # An NNX Variable holds one array: the Variable goes around the stored values, not around the
-  # LowPrecisionArray, whose two arrays `nnx.Optimizer` would write back into it as a State.
+def _encode(tree, which, key):
+  """``tree`` with each leaf (an NNX Variable one leaf) that ``which`` marks stored in bfloat16.
+
+  An NNX Variable holds one array: the Variable goes around the stored values, not around the
+  LowPrecisionArray, whose arrays `nnx.Optimizer` would write back into it as a State.
+  """
   leaves, treedef = jax.tree.flatten(tree, is_leaf=_tree.is_variable)
   out = [
-      _encode_variable(x, dtype, jax.random.fold_in(key, i)) if _stored(_tree.unwrap_variable(x)) else x
-      for i, x in enumerate(leaves)
+      LowPrecisionArray(_like(x, _rounding.to_bfloat16(
+          _tree.unwrap_variable(x), _rounding.leaf_key(key, _rounding.LOW_PRECISION_STATE, i))))
+      if stored else x
+      for i, (x, stored) in enumerate(zip(leaves, which, strict=True))
   ]
   return jax.tree.unflatten(treedef, out)
-
-
-def _encode_variable(x, dtype, key) -> LowPrecisionArray:
-  """`_encode_leaf` of an array or of an NNX Variable's value; a Variable keeps the values."""
-  stored = _encode_leaf(_tree.unwrap_variable(x), dtype, key)
-  return stored._replace(values=_like(x, stored.values))
 
 
 def _like(x, value):
@@ -211,28 +247,8 @@ def _like(x, value):
   return jax.tree.map(lambda _: value, x) if _tree.is_variable(x) else value
 
 
-def _encode_leaf(x: jax.Array, dtype, key) -> LowPrecisionArray:
-  x = x.astype(jnp.float32)
-  if dtype == jnp.bfloat16:
-    # bfloat16 has float32's range: no scale, so no reduction over the new state before it is
-    # stored, which would keep it in float32 in between (24 -> 8 bytes per parameter of
-    # temporaries in a compiled Adam step, NOTES.md #20).
-    scale = jnp.float32(1)
-  else:
-    biggest = jnp.max(jnp.abs(x))
-    _, e = jnp.frexp(biggest)  # biggest = m * 2**e, 0.5 <= m < 1
-    # A zero or non-finite tensor keeps scale 1 (inf and NaN are stored as they are).
-    e = jnp.where((biggest > 0) & jnp.isfinite(biggest), e - 1 - _TOP, 0)
-    scale = jnp.ldexp(jnp.float32(1), e)
-  scaled = x / scale  # exact: a power of two, and no result below float32's normals that matters
-  uniform = _master._uniform(key, x.shape)
-  finite = jnp.isfinite(scaled)
-  rounded = _master._stochastic_round(jnp.where(finite, scaled, 0), dtype, uniform)
-  return LowPrecisionArray(jnp.where(finite, rounded, scaled.astype(dtype)), scale)
-
-
 def _decode(tree, template):
-  """The float32 (or the template's dtype) state from the stored one.
+  """The float32 state (or wider: the template's dtype, if it is) from the stored one.
 
   Zipped leaf by leaf, not by structure: each stored leaf is one leaf of the
   template, which an NNX Variable around the values moves into the
@@ -244,8 +260,8 @@ def _decode(tree, template):
   def decode(x, like):
     if not _is_array(x):
       return x
-    value = _tree.unwrap_variable(x.values).astype(jnp.float32) * x.scale
-    return _like(x.values, value if like is None else value.astype(like.dtype))
+    dtype = jnp.float32 if like is None else jnp.promote_types(like.dtype, jnp.float32)
+    return _like(x.values, _tree.unwrap_variable(x.values).astype(dtype))
 
   return jax.tree.unflatten(treedef, [decode(x, like) for x, like in zip(leaves, likes, strict=True)])
 

@@ -38,10 +38,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from jaxscale import _optax, _policy, _skip
+from jaxscale import _optax, _policy, _rounding, _skip
 
 METHODS = ("float32", "kahan", "stochastic_rounding")
 
@@ -123,7 +122,8 @@ def master_weights(
 
   Raises:
     ValueError: for an unknown ``method``, a ``key`` given to another
-      method, or from ``update`` when it is called without ``params``.
+      method; from ``init``, for a parameter narrower than 16 bits (float8);
+      from ``update``, when it is called without ``params``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxscale
@@ -150,12 +150,13 @@ def master_weights(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    _refuse_unsupported(params)
     narrow = lambda f: jax.tree.map(lambda p: f(p) if _is_narrow(p) else optax.MaskedNode(), params)
     state = MasterWeightsState(
         master=narrow(lambda p: p.astype(jnp.float32)) if method == "float32" else None,
         inner_state=(),  # `inner`'s, once it can see the float32 values
         compensation=narrow(jnp.zeros_like) if method == "kahan" else None,
-        key=_raw_key(0 if key is None else key) if method == "stochastic_rounding" else None,
+        key=_rounding.raw_key(0 if key is None else key, "master_weights") if method == "stochastic_rounding" else None,
     )
     return state._replace(inner_state=inner.init(_float32_params(params, state)))
 
@@ -194,6 +195,20 @@ def master_weights(
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _refuse_unsupported(params) -> None:
+  """Raises for a parameter narrower than 16 bits: the rounding here needs a dtype with infinities
+  and enough exponent for float32's small steps (`float8_e4m3fn` has no inf, so ``nextafter(x, inf)``
+  is NaN: every parameter NaN at the first stochastically rounded step)."""
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if _is_narrow(p) and jnp.dtype(p.dtype).name not in _rounding.DTYPES:
+      raise ValueError(
+          f"`master_weights` got a parameter of dtype {jnp.dtype(p.dtype).name} at "
+          f"{jax.tree_util.keystr(path) or 'the root of the tree'}; it supports float16 and bfloat16 parameters. Keep float8 "
+          "weights in float16, bfloat16 or float32 and cast them to float8 where they are used "
+          "(`jaxscale.get_policy(\"mixed_float8\")` does that for every matmul)."
+      )
 
 
 def _check_params_match(params, state: MasterWeightsState) -> None:
@@ -242,7 +257,7 @@ def _remainder(p, step, u):
   ``landed - p`` is exact in float32 (two nearby 16-bit values), and so, nearly, is ``step`` minus
   it: no rounding at the parameter's magnitude enters the compensation.
   """
-  landed = _materialise(p + u)
+  landed = _rounding.materialise(p + u)
   moved = landed.astype(jnp.float32) - p.astype(jnp.float32)
   big = jnp.float32(jnp.finfo(p.dtype).max)
   return jnp.clip((step - moved) / _ulp(landed), -big, big).astype(p.dtype)
@@ -270,45 +285,11 @@ def _stochastic_targets(params, exact, draw):
   leaves, treedef = jax.tree.flatten(params)
   xs = treedef.flatten_up_to(exact)
   out = [
-      _stochastic_round(x, p.dtype, _uniform(jax.random.fold_in(draw, i), p.shape))
+      _rounding.stochastic_round(x, p.dtype, _rounding.uniform(_rounding.leaf_key(draw, _rounding.MASTER_WEIGHTS, i), p.shape))
       .astype(jnp.float32) if _is_narrow(p) else x
       for i, (p, x) in enumerate(zip(leaves, xs))
   ]
   return jax.tree.unflatten(treedef, out)
-
-
-def _uniform(key: jax.Array, shape) -> jax.Array:
-  """Uniform float32 numbers in [0, 1), one per element, from ``key`` and each element's index.
-
-  A counter-based hash (Wellons' ``lowbias32``, applied twice, seeded from the key) rather than
-  ``jax.random.uniform``: it is elementwise, so it fuses into the rounding that reads it, where
-  threefry's intermediate arrays made ``low_precision_state``'s compiled Adam step carry 42 bytes
-  per parameter of temporaries (benchmarks/NOTES.md #20). Computed from the global index, so a
-  sharded or replicated array draws the same numbers on every device.
-  """
-  seeds = jax.random.bits(key, (2,), jnp.uint32)
-  size = max(int(np.prod(shape)), 1)
-  index = jax.lax.iota(jnp.uint32, size).reshape(shape)
-  bits = _lowbias32(_lowbias32(index ^ seeds[0]) + seeds[1])
-  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-
-
-def _lowbias32(x: jax.Array) -> jax.Array:
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
-def _stochastic_round(x: jax.Array, dtype, uniform: jax.Array) -> jax.Array:
-  """``x`` (finite float32) to ``dtype``: up with probability (x - down) / (up - down), so unbiased."""
-  near = _materialise(x.astype(dtype))
-  down = jnp.where(near.astype(jnp.float32) > x, jnp.nextafter(near, jnp.asarray(-jnp.inf, dtype)), near)
-  up = jnp.nextafter(down, jnp.asarray(jnp.inf, dtype))
-  # Both differences are exact: `x` lies between two neighbours, whose gap is a power of two.
-  fraction = (x - down.astype(jnp.float32)) / (up.astype(jnp.float32) - down.astype(jnp.float32))
-  return jnp.where(uniform < fraction, up, down)
 
 
 def _narrow_updates(params, targets, inner_updates, skipped):
@@ -332,33 +313,14 @@ def _step_to(param: jax.Array, target32: jax.Array) -> jax.Array:
   dtype = param.dtype
   # The barriers keep the 16-bit roundings: XLA folds a float32 -> 16-bit -> float32 round trip
   # away (`xla_allow_excess_precision`), which would compare unrounded sums.
-  target = _materialise(_clip_to(dtype, target32).astype(dtype))
+  target = _rounding.materialise(_clip_to(dtype, target32).astype(dtype))
   first = _clip_to(dtype, target.astype(jnp.float32) - param.astype(jnp.float32)).astype(dtype)
-  lands = lambda u: _materialise(param + u) == target
-  update = jnp.where(jnp.isfinite(_materialise(param + first)), first, jnp.nextafter(first, jnp.zeros_like(first)))
+  lands = lambda u: _rounding.materialise(param + u) == target
+  update = jnp.where(jnp.isfinite(_rounding.materialise(param + first)), first, jnp.nextafter(first, jnp.zeros_like(first)))
   for u in (jnp.nextafter(first, jnp.asarray(-jnp.inf, dtype)), jnp.nextafter(first, jnp.asarray(jnp.inf, dtype)), first):
     update = jnp.where(lands(u), u, update)
   # `x + -0.0` is x bit for bit, even for x = -0.0 (where `x + 0.0` is +0.0) and x = inf.
   return jnp.where(target == param, jnp.asarray(-0.0, dtype), update)
-
-
-def _materialise(x: jax.Array) -> jax.Array:
-  return jax.lax.optimization_barrier(x)
-
-
-def _raw_key(key, who: str = "master_weights") -> jax.Array:
-  """A raw ``uint32[2]`` PRNG key (what Orbax and ``jax.tree.map`` handle) from an int or a key."""
-  if isinstance(key, (int, np.integer)):
-    return jax.random.PRNGKey(int(key))
-  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    key = jax.random.key_data(key)
-  if key.dtype != jnp.uint32 or key.shape != (2,):
-    raise ValueError(
-        f"`{who}` got key of dtype {key.dtype} and shape {key.shape}; pass an int seed, "
-        "`jax.random.key(seed)` or `jax.random.PRNGKey(seed)`."
-    )
-  return key
 
 
 def _only_narrow(params, tree):

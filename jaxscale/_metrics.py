@@ -44,5 +44,5 @@ def metrics(opt_state_or_scaler: Any) -> dict[str, jax.Array]:
   """
   scaler = opt_state_or_scaler
   if not isinstance(scaler, _scaler.ScalerState):
-    scaler = _optax.find_scaler(opt_state_or_scaler)
+    scaler = _optax.scaler_of(opt_state_or_scaler)  # a stalled one too: `stalled` is reported
   return {name: getattr(scaler, name) for name in _FIELDS}

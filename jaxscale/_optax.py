@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -41,10 +42,14 @@ def dynamic_loss_scaling(
   Its update takes the **true** (unscaled) gradients, as every Optax
   transformation does: the gradient site, :func:`jaxscale.value_and_grad`
   (or ``jaxscale.scale`` -> ``jax.grad`` -> :func:`jaxscale.unscale_and_check`
-  by hand), is the one place where a scaled gradient exists. So the wrapper
-  sits anywhere in a chain: a clip in front of it
+  by hand), is the one place where a scaled gradient exists. So a stateless
+  transformation in front of the wrapper sees true gradients: a clip
   (``optax.chain(optax.clip_by_global_norm(1.0), dynamic_loss_scaling(adam))``)
-  clips true gradients, as torch users do after ``scaler.unscale_``.
+  clips them, as torch users do after ``scaler.unscale_``. A skipped step is
+  invisible only to what the wrapper wraps: a momentum, a weight decay or a
+  schedule *after* or *around* it would still act on it, so wrap every
+  stateful or parameter-dependent transformation
+  (``dynamic_loss_scaling(optax.chain(optax.add_decayed_weights(1e-4), adam))``).
 
   Each update checks the gradients (inf and NaN survive exact unscaling, so
   this is the check of the scaled ones), ANDs the ``finite`` flag of the
@@ -108,7 +113,7 @@ def dynamic_loss_scaling(
         f"`dynamic_loss_scaling` got unknown options {unknown}; it takes `axis_name` and the "
         f"options of `jaxscale.init`: {', '.join(known)}."
     )
-  _scaler.init(**init_options)  # validates the options before any tracing
+  _scaler.build(**init_options)  # validates the options before any tracing
   enabled = init_options.get("enabled", True)
 
   def init_fn(params):
@@ -119,7 +124,7 @@ def dynamic_loss_scaling(
           "`dynamic_loss_scaling` inside `inner`): two scales would back off and grow apart, and "
           "`find_scaler` could not tell which one scales the loss. Wrap the optimizer once."
       )
-    return DynamicLossScalingState(_scaler.init(**init_options), inner_state)
+    return DynamicLossScalingState(_scaler.build(**init_options), inner_state)
 
   def update_fn(updates, state, params=None, *, finite=None, **extra_args):
     if not (hasattr(state, "scaler") and hasattr(state, "inner_state")):
@@ -129,6 +134,7 @@ def dynamic_loss_scaling(
           "with `tx.init(params)` of this wrapped optimizer, not of the inner one (a checkpoint "
           "restored without a target is a dict: restore it into the structure of `tx.init(params)`)."
       )
+    _refuse_misspelt_finite(extra_args)
     if not enabled:
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
@@ -147,6 +153,17 @@ def dynamic_loss_scaling(
     return updates, DynamicLossScalingState(_scaler.update(state.scaler, checked), inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _refuse_misspelt_finite(extra_args):
+  """Extra arguments go on to ``inner``, which ignores those it does not take: a misspelt
+  ``finite=`` would vanish there. Names close to it are refused."""
+  close = [name for name in extra_args if difflib.get_close_matches(name, ["finite"], cutoff=0.7)]
+  if close:
+    raise TypeError(
+        f"`dynamic_loss_scaling`'s update got the argument {close[0]!r}; did you mean `finite=`? "
+        "(Other extra arguments go on to the inner optimizer.)"
+    )
 
 
 def require_transformation(inner: Any, function: str) -> None:
@@ -185,7 +202,11 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
     That :class:`ScalerState`.
 
   Raises:
-    ValueError: if ``opt_state`` holds no scaler, or more than one.
+    ValueError: if ``opt_state`` holds no scaler, or more than one, or holds
+      the wrapper inside ``optax.MultiSteps`` or ``optax.apply_if_finite``,
+      which would hide its decisions (the message says what to write).
+    FloatingPointError: outside ``jit``, if the scaler has stalled (see
+      ``on_stall`` in :func:`jaxscale.init`): every step since was skipped.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxscale
@@ -194,6 +215,15 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
     >>> jaxscale.find_scaler(tx.init(jnp.zeros(3))).scale
     Array(512., dtype=float32)
   """
+  scaler = scaler_of(opt_state)
+  if not isinstance(scaler.stalled, Tracer):  # outside `jit`: reading one bool costs nothing new
+    _scaler.raise_if_stalled(scaler)
+  return scaler
+
+
+def scaler_of(opt_state: Any) -> _scaler.ScalerState:
+  """:func:`find_scaler` without the stall check: what :func:`jaxscale.metrics` reports,
+  ``stalled`` included."""
   found = [
       leaf if isinstance(leaf, _scaler.ScalerState) else _scaler.ScalerState(**{k: leaf[k] for k in _FIELDS})
       for leaf in jax.tree.leaves(opt_state, is_leaf=_is_scaler)
@@ -216,10 +246,7 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
   # Field by field, not `jax.tree.map`: NNX Variables are pytree nodes
   # themselves, so a tree map would reach the arrays inside them and leave
   # the Variables in place.
-  scaler = found[0]._make(_tree.unwrap_variable(field) for field in found[0])
-  if not isinstance(scaler.stalled, Tracer):  # outside `jit`: reading one bool costs nothing new
-    _scaler.raise_if_stalled(scaler)
-  return scaler
+  return found[0]._make(_tree.unwrap_variable(field) for field in found[0])
 
 
 # What must not hold the wrapper, and what to write instead. Each would hide the wrapper's decisions:

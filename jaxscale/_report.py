@@ -9,12 +9,18 @@ counts, at every depth of its jaxpr::
                        the costliest branch of a cond)
                        (float8: "float8_e4m3fn" forward, "float8_e5m2" for the products
                        that take an e5m2 gradient, whatever the other operand)
+    matmul_counts      dtype name -> how many matmuls and convolutions run in it
+    op_counts          dtype name -> how many operations (every first-order primitive with a
+                       floating result, matmuls included) have their result in it
     kept_wider         under a float8 policy, the FLOPs of the matmuls kept wider, by the
                        reason (`_float8.REASONS`) that the jit around them is named after
     float32_ops_in_16_bits   the operations of autocast's float32 list (exp, log, sums, ...)
                        whose operands are 16-bit, by primitive name
 
-Given ``jax.grad`` of a loss, the backward pass is in the jaxpr and is counted too.
+Counts are of what runs: a scan body times its length, a ``shard_map`` / ``pmap`` body times
+the devices it runs on (it is traced at per-device shapes). Given ``jax.grad`` of a loss, the
+backward pass is in the jaxpr and is counted too. Named axes that ``fun`` uses without
+binding them (a ``BatchNorm(axis_name=...)`` meant for ``pmap``) are bound by ``axis_env``.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import dataclasses
 import math
 import collections
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -45,6 +51,9 @@ class PrecisionReport:
       list (exp, log, sums, ...: docs/mixed_precision.md) run on 16-bit operands.
     while_loops: how many ``while_loop`` bodies were counted once (their trip count is
       not known without running them).
+    matmul_counts: dtype name -> how many matmuls and convolutions run in that dtype.
+    op_counts: dtype name -> how many operations with a floating result (matmuls,
+      elementwise operations, reductions, ...) have it in that dtype.
     kept_wider: under a float8 policy, reason -> FLOPs of the matmuls kept in a wider
       dtype for it (``"small"``, ``"conv_backward"``: ``str()`` says each in full).
 
@@ -58,6 +67,8 @@ class PrecisionReport:
   matmul_flops: dict[str, float]
   float32_ops_in_16_bits: dict[str, int]
   while_loops: int = 0
+  matmul_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+  op_counts: dict[str, int] = dataclasses.field(default_factory=dict)
   kept_wider: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def share(self, dtype: Any) -> float:
@@ -68,9 +79,10 @@ class PrecisionReport:
   def __str__(self) -> str:
     total = sum(self.matmul_flops.values())
     width = max([10, *map(len, self.matmul_flops)])
-    lines = [f"{'dtype':<{width}} {'matmul FLOPs':>13} {'share':>7}"]
+    lines = [f"{'dtype':<{width}} {'matmul FLOPs':>13} {'share':>7} {'matmuls':>8}"]
     for name, flops in sorted(self.matmul_flops.items(), key=lambda item: -item[1]):
-      lines.append(f"{name:<{width}} {flops:>13.4g} {flops / total if total else 0.0:>7.1%}")
+      share = flops / total if total else 0.0
+      lines.append(f"{name:<{width}} {flops:>13.4g} {share:>7.1%} {self.matmul_counts.get(name, 0):>8}")
     sixteen = sum(self.matmul_flops.get(name, 0.0) for name in _SIXTEEN_BITS)
     lines.append(f"16-bit: {sixteen / total if total else 0.0:.1%} of {total:.4g} matmul FLOPs")
     float8 = sum(self.matmul_flops.get(dtype.name, 0.0) for dtype in _float8.FLOAT8)
@@ -85,7 +97,9 @@ class PrecisionReport:
     return "\n".join(lines)
 
 
-def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionReport:
+def precision_report(
+    fun: Callable, *args: Any, axis_env: Mapping[str, int] | None = None, **kwargs: Any
+) -> PrecisionReport:
   """What ``fun(*args, **kwargs)`` computes in which dtype, without running it.
 
   Args:
@@ -93,6 +107,10 @@ def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionRepor
       ``jax.grad`` of a loss (then the backward pass is counted too).
     *args: its positional arguments (arrays, or pytrees of them; other leaves are
       passed as they are).
+    axis_env: named axes to bind, name -> size, for a ``fun`` that uses them (``psum``,
+      ``BatchNorm(axis_name=...)``) and is meant to run under ``pmap`` or ``shard_map``
+      (then ``fun`` is counted once: per device). A keyword of ``precision_report``, not
+      passed to ``fun``.
     **kwargs: its keyword arguments.
 
   Returns:
@@ -104,13 +122,15 @@ def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionRepor
     ...   return jnp.sum(jnp.exp(x @ w))
     >>> w, x = jnp.ones((3, 4)), jnp.ones((2, 3))
     >>> print(jaxscale.precision_report(loss, w, x))
-    dtype       matmul FLOPs   share
-    float32               48  100.0%
+    dtype       matmul FLOPs   share  matmuls
+    float32               48  100.0%        1
     16-bit: 0.0% of 48 matmul FLOPs
     float32-list operations in 16 bits: none
     >>> report = jaxscale.precision_report(jax.grad(jaxscale.autocast(loss, "mixed_float16")), w, x)
     >>> report.matmul_flops  # forward and backward (the gradient with respect to w)
     {'float16': 96.0}
+    >>> report.matmul_counts, report.op_counts["float16"] > 0
+    ({'float16': 2}, True)
   """
   if not callable(fun):
     raise TypeError(
@@ -127,46 +147,87 @@ def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionRepor
     run_args, run_kwargs = jax.tree.unflatten(treedef, run_leaves)
     return fun(*run_args, **run_kwargs)
 
-  closed = jax.make_jaxpr(traced)(*(leaves[i] for i in dynamic))
-  flops, ops, loops, wider = _count(closed.jaxpr)
-  return PrecisionReport(dict(flops), dict(ops), loops, dict(wider))
+  env = list((axis_env or {}).items())
+  closed = jax.make_jaxpr(traced, axis_env=env)(*(leaves[i] for i in dynamic))
+  counts = _count(closed.jaxpr)
+  return PrecisionReport(
+      dict(counts.flops), dict(counts.sensitive), counts.while_loops, dict(counts.matmuls), dict(counts.ops),
+      dict(counts.wider),
+  )
 
 
-def _count(jaxpr) -> tuple[dict[str, float], Counter, int, Counter]:
-  flops: dict[str, float] = collections.defaultdict(float)
-  ops: Counter = Counter()
-  wider: Counter = Counter()
-  loops = 0
+@dataclasses.dataclass
+class _Counts:
+  flops: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+  matmuls: Counter = dataclasses.field(default_factory=Counter)
+  ops: Counter = dataclasses.field(default_factory=Counter)
+  sensitive: Counter = dataclasses.field(default_factory=Counter)
+  wider: Counter = dataclasses.field(default_factory=Counter)
+  while_loops: int = 0
+
+  def add(self, other: _Counts, times: float, reason: str = "") -> None:
+    """Adds a sub-program's counts; all its FLOPs as kept wider for ``reason`` when it names one."""
+    for mine, theirs in ((self.flops, other.flops), (self.matmuls, other.matmuls), (self.ops, other.ops), (self.sensitive, other.sensitive)):
+      for key, value in theirs.items():
+        mine[key] += value * times
+    for key, value in ({reason: sum(other.flops.values())} if reason else other.wider).items():
+      self.wider[key] += value * times
+    self.while_loops += other.while_loops
+
+
+def _count(jaxpr) -> _Counts:
+  counts = _Counts()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     avals = [v.aval for v in eqn.invars]
+    subs = [_count(j) for j in _interpret.subjaxprs(eqn.params)]
+    if not subs:
+      out = [v.aval for v in eqn.outvars if _interpret.floating(v.aval)]
+      if out:
+        counts.ops[np.dtype(out[0].dtype).name] += 1
     if name in _autocast.COMPUTE_PRIMITIVES:
       lhs, rhs = avals[0].dtype.name, avals[1].dtype.name
       key = _float8.BACKWARD.name if _float8.BACKWARD.name in (lhs, rhs) else lhs if lhs == rhs else f"{lhs}*{rhs}"
-      flops[key] += _flops(eqn)
+      counts.flops[key] += _flops(eqn)
+      counts.matmuls[key] += 1
     elif name in _autocast.FLOAT32_PRIMITIVES and any(
         _interpret.floating(a) and np.dtype(a.dtype).itemsize < 4 for a in avals
     ):
-      ops[name] += 1
-    subs = [_count(j) for j in _interpret.subjaxprs(eqn.params)]
+      counts.sensitive[name] += 1
     if not subs:
       continue
     if name == "cond":  # one branch runs: the costliest
-      subs = [max(subs, key=lambda sub: sum(sub[0].values()))]
-    times = eqn.params.get("length", 1) if name == "scan" else 1
-    loops += name == "while"
+      subs = [max(subs, key=lambda sub: sum(sub.flops.values()))]
+    counts.while_loops += name == "while"
     # A float8 policy's matmul kept wider sits in a jit named after the reason (under `jax.grad`
     # too, inside "jvp(...)" / "transpose(...)").
     reason = str(eqn.params.get("name", "")).partition(_float8.WIDER)[2].partition(")")[0]
-    for sub_flops, sub_ops, sub_loops, sub_wider in subs:
-      for key, value in sub_flops.items():
-        flops[key] += value * times
-      for key, value in sub_ops.items():
-        ops[key] += value * times
-      for key, value in (sub_wider if not reason else {reason: sum(sub_flops.values())}).items():
-        wider[key] += value * times
-      loops += sub_loops
-  return flops, ops, loops, wider
+    for sub in subs:
+      counts.add(sub, _times(eqn), reason)
+  return counts
+
+
+def _times(eqn) -> int:
+  """How many times a higher-order primitive runs its sub-programs.
+
+  A scan its length; ``shard_map`` (traced at per-device shapes) once per device along its
+  manual mesh axes, ``pmap`` once per device. These keys differ between releases (jax 0.10
+  renamed ``manual_axes`` to ``newly_manual_axes``; ``xla_pmap`` has ``axis_size``), and a
+  missing one counts once.
+  """
+  params = eqn.params
+  if eqn.primitive.name == "scan":
+    return params.get("length", 1)
+  if "axis_size" in params and eqn.primitive.name == "xla_pmap":
+    return params["axis_size"]
+  mesh = params.get("mesh")
+  if eqn.primitive.name == "shard_map" and mesh is not None:
+    sizes = dict(mesh.shape)
+    manual = next((params[key] for key in ("newly_manual_axes", "manual_axes") if key in params), None)
+    if manual is None:
+      manual = set(sizes) - set(params.get("auto", ()))
+    return math.prod(sizes[name] for name in manual)
+  return 1
 
 
 def _flops(eqn) -> float:

@@ -27,6 +27,7 @@ only when the scale grows (DeepSpeed refills it on every finite step instead).
 from __future__ import annotations
 
 import contextvars
+import inspect
 import math
 import warnings
 from typing import Any, Literal, NamedTuple
@@ -149,6 +150,28 @@ def init(
     >>> jaxscale.init(enabled=False).scale
     Array(1., dtype=float32)
   """
+  if _staging():
+    warnings.warn(
+        "jaxscale: `jaxscale.init` was called inside a traced function (`jit`, `scan`, ...): a "
+        "scaler built there starts afresh at every call, so its scale never adapts, and after one "
+        "overflow every step would overflow again. Build the optimizer state once, outside "
+        "(`tx.init(params)`, which is fine under `jit`), and take the scaler from it inside the "
+        "step: `jaxscale.find_scaler(opt_state)`.",
+        UserWarning,
+        stacklevel=2,
+    )
+  return _build(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                growth_interval=growth_interval, enabled=enabled, hysteresis=hysteresis,
+                min_scale=min_scale, max_scale=max_scale, dynamic=dynamic, on_stall=on_stall)
+
+
+def build(**options: Any) -> ScalerState:
+  """:func:`init` without its warning, for the Optax wrapper's ``init``, which may be jitted."""
+  return _build(**{**_INIT_DEFAULTS, **options})
+
+
+def _build(*, init_scale, growth_factor, backoff_factor, growth_interval, enabled, hysteresis, min_scale,
+           max_scale, dynamic, on_stall) -> ScalerState:
   if on_stall not in ("skip", "raise"):
     raise ValueError(f"`on_stall` must be 'skip' or 'raise', got {on_stall!r}.")
   if not isinstance(enabled, (bool, np.bool_)):
@@ -179,6 +202,9 @@ def init(
       enabled=jnp.asarray(bool(enabled)),
       **arrays,
   )
+
+
+_INIT_DEFAULTS = {name: p.default for name, p in inspect.signature(init).parameters.items()}
 
 
 def configure(state: ScalerState, **options: Any) -> ScalerState:
@@ -357,29 +383,37 @@ def scale(state: ScalerState, tree: Any) -> Any:
         f"floating leaf), but got leaves of dtypes {dtypes}."
     )
 
-  scaled = jax.tree.map(lambda x: _times(x, state.scale), tree)
-  outputs = _scaled_here.get()
-  if outputs is not None:  # inside `jaxscale.value_and_grad`'s loss function: it checks the loss it gets
-    outputs.extend(x for x in jax.tree.leaves(scaled) if _is_floating(x))
-  return scaled
+  uses = _uses_here.get()
+  if uses is not None:  # inside `jaxscale.value_and_grad`'s loss function: it counts them
+    uses["scale"] += 1
+  return scale_unchecked(state, tree)
 
 
-# While `jaxscale.value_and_grad` calls the user's loss function, the outputs of every
-# `jaxscale.scale` in that call, so that it can refuse a loss that comes back already scaled. A
-# dynamic scope, emptied when the call returns: the verdict depends on the call in progress, never
-# on what ran before. (A gradient site nested in the loss, for a gradient penalty, scales values that
-# are not the returned loss: it is not confused with the mistake.)
-_scaled_here: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxscale_scaled_here", default=None)
+def scale_unchecked(state: ScalerState, tree: Any) -> Any:
+  """:func:`scale` for the gradient sites' own scaling, which is not the user's."""
+  return jax.tree.map(lambda x: _times(x, state.scale), tree)
 
 
-def refuse_scaled_loss(loss: Any, scaled_in_call: list) -> None:
-  """Raises if ``loss`` is one of the outputs of a ``jaxscale.scale`` made inside the loss function."""
-  if any(leaf is out for leaf in jax.tree.leaves(loss) for out in scaled_in_call):
+# While `jaxscale.value_and_grad` calls the user's loss function, how many times that call used
+# `jaxscale.scale` and `jaxscale.unscale_and_check`. A dynamic scope, set and reset around the call:
+# the verdict depends on the call in progress, never on what ran before.
+_uses_here: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxscale_uses_here", default=None)
+
+
+def refuse_scaling_inside(uses: dict) -> None:
+  """Raises if the loss function scaled more than it unscaled: its loss would be scaled twice.
+
+  A gradient site nested in the loss (a gradient penalty) either is a
+  ``jaxscale.value_and_grad`` of its own, whose scaling is not counted, or
+  unscales what it scaled with ``jaxscale.unscale_and_check``.
+  """
+  if uses["scale"] > uses["unscale"]:
     raise ValueError(
-        "The loss function given to `jaxscale.value_and_grad` returned a loss already multiplied "
-        "by `jaxscale.scale`, and `value_and_grad` scales the loss itself: the gradients would "
-        "come out `scale` times too large. Return the plain loss; `value_and_grad` scales it, "
-        "differentiates and unscales."
+        "The loss function given to `jaxscale.value_and_grad` called `jaxscale.scale` and did not "
+        "unscale what it scaled; `value_and_grad` scales the loss itself, so the loss would be "
+        "scaled twice and the gradients come out `scale` times too large. Return the plain loss: "
+        "`value_and_grad` scales it, differentiates and unscales. (A gradient the loss needs, for a "
+        "gradient penalty, comes from a `jaxscale.value_and_grad` of its own inside it.)"
     )
 
 
@@ -406,9 +440,10 @@ def warn_if_constant(state: ScalerState, tree: Any, function: str) -> None:
     return  # a static or disabled scale never changes anyway
   warnings.warn(
       f"jaxscale: `{function}` got a scaler whose scale is a constant of the traced computation "
-      "(its arrays were not passed into the jitted function): its scale never adapts, and after "
-      "one overflow every step would overflow again. Take the scaler from the optimizer state "
-      "passed to the step, inside it: `jaxscale.find_scaler(opt_state)`.",
+      "(its arrays were not passed into the jitted function): in a compiled training step its "
+      "scale would never adapt, and after one overflow every step would overflow again. Take the "
+      "scaler from the optimizer state passed to the step, inside it: "
+      "`jaxscale.find_scaler(opt_state)`.",
       UserWarning,
       stacklevel=3,
   )
@@ -449,6 +484,9 @@ def unscale_and_check(
   """
   require_state(state, "unscale_and_check")
   warn_if_constant(state, grads, "unscale_and_check")
+  uses = _uses_here.get()
+  if uses is not None:
+    uses["unscale"] += 1
   return unscale_and_check_unchecked(state, grads, axis_name=axis_name)
 
 
@@ -672,7 +710,10 @@ def raise_if_stalled(state: ScalerState) -> None:
   raise FloatingPointError(
       f"jaxscale: a step overflowed while the loss scale was already at `min_scale` "
       f"({_floor_text(floor)}){which}; every step since has been skipped and the parameters hold "
-      "their last finite values. Lower `min_scale`, or look for the source of the inf/NaN in the model."
+      "their last finite values. Look for the source of the inf/NaN in the model, or lower "
+      "`min_scale`; or, if the loss is scaled by another scaler than this optimizer's (one found "
+      "once and reused, or a fresh `jaxscale.init()`), take `jaxscale.find_scaler(opt_state)` "
+      "inside each step."
   )
 
 

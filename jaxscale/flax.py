@@ -7,8 +7,9 @@ ordinary Optax transformation, so it is the ``tx`` of a
 Variables). Modules compute in float16 and keep float32 parameters with
 ``dtype=jnp.float16, param_dtype=jnp.float32``.
 
-Linen, with gradients of the scaled loss (``apply_gradients`` unscales,
-checks, and skips the step on an inf or a NaN):
+Linen: :func:`jaxscale.value_and_grad` is the gradient site (it scales the
+loss, differentiates and unscales), and ``apply_gradients`` takes the true
+gradients, checks them, and skips the step on an inf or a NaN:
 
 >>> import jax, jax.numpy as jnp, optax, jaxscale, jaxscale.flax
 >>> import flax.linen as nn
@@ -21,12 +22,11 @@ checks, and skips the step on an inf or a NaN):
 >>> state = state.replace(step=jnp.zeros((), jnp.int32))  # see "One compilation" below
 >>> @jax.jit
 ... def train_step(state, x, y):
-...   scaler = jaxscale.find_scaler(state.opt_state)
-...   def scaled_loss(params):
+...   def loss_fn(params):
 ...     pred = state.apply_fn(params, x).astype(jnp.float32)
-...     loss = jnp.mean((pred - y) ** 2)
-...     return jaxscale.scale(scaler, loss), loss
-...   grads, loss = jax.grad(scaled_loss, has_aux=True)(state.params)
+...     return jnp.mean((pred - y) ** 2)
+...   scaler = jaxscale.find_scaler(state.opt_state)
+...   loss, grads, finite = jaxscale.value_and_grad(loss_fn)(scaler, state.params)
 ...   return state.apply_gradients(grads=grads), loss
 >>> for _ in range(5):
 ...   state, loss = train_step(state, x, y)
@@ -36,9 +36,9 @@ checks, and skips the step on an inf or a NaN):
 >>> train_step._cache_size()
 1
 
-NNX, the same with :func:`value_and_grad`, which returns the unscaled
+NNX, the same with :func:`value_and_grad`, which returns the true
 gradients and the finite flag (``update`` passes ``finite`` on to the
-scaler, which then does not check the gradients a second time):
+wrapper, which ANDs it with its own check of the gradients):
 
 >>> from flax import nnx
 >>> model = nnx.Linear(4, 1, dtype=jnp.float16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -57,9 +57,9 @@ True
 >>> jaxscale.find_scaler(optimizer.opt_state).scale
 Array(1024., dtype=float32)
 
-Plain ``nnx.grad`` of ``jaxscale.scale(scaler, loss)`` followed by
-``optimizer.update(model, grads)`` works as well: the scaler then unscales
-and checks, as in the Linen recipe.
+Gradients transformed between the gradient site and ``update`` (clipped,
+averaged over micro-batches) are true gradients too: the wrapper checks what
+it is given.
 
 One compilation: ``TrainState.create`` starts ``step`` as the Python int 0,
 and ``jax.jit`` compiles the step a second time once ``step`` has become an

@@ -568,3 +568,146 @@ def test_a_nested_float32_region_closing_over_the_outer_trace_stays_float32():
 def test_autocast_of_something_not_callable_says_the_function_comes_first():
   with pytest.raises(TypeError, match="takes the function first"):
     jaxscale.autocast("mixed_float16", lambda x: x)
+
+
+def test_a_python_float_that_float16_cannot_hold_keeps_its_operation_wide():
+  """`(x @ w) / 70000.0`: 70000.0 is inf in float16 and the quotient was 0; 3.0 still follows float16."""
+  x, w = jnp.full((2, 3), 100.0, F32), jnp.full((3, 2), 100.0, F32)
+  cast = jaxscale.autocast(lambda x, w: ((x @ w) / 70000.0, (x @ w) / 3.0, (x @ w) * 1e-6), "p=f32,c=f16,o=f32")
+  big, small, tiny = cast(x, w)
+  np.testing.assert_allclose(big, 30000.0 / 70000.0, rtol=2**-10)  # x @ w = 30000 in float16: exact
+  np.testing.assert_allclose(tiny, 30000.0 * 1e-6, rtol=2**-10)  # 1e-6 is subnormal in float16
+  eqns = [e for e in all_eqns(jax.make_jaxpr(cast)(x, w).jaxpr) if e.primitive.name in ("div", "mul")]
+  assert [e.outvars[0].aval.dtype for e in eqns] == [F32, F16, F32]
+  np.testing.assert_allclose(small, 10000.0, rtol=2**-11)
+
+
+def compiles_during(call, caplog):
+  """How many XLA programs `call()` compiles (jax.log_compiles's records)."""
+  import logging
+
+  caplog.clear()
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    jax.block_until_ready(call())
+  return sum("Finished XLA compilation" in r.getMessage() or "Compiling" in r.getMessage() and "XLA" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "plain"])
+def test_an_autocast_function_called_eagerly_compiles_once(transform, caplog):
+  """Eager `jax.grad(autocast(f))` compiled two programs per call (270-610 ms), `vmap` one."""
+  w, x = jnp.ones((4, 4)), jnp.ones((3, 4))
+  cast = jaxscale.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)), "mixed_float16")
+  fn = {"grad": jax.grad(cast), "vmap": jax.vmap(cast, (None, 0)), "plain": cast}[transform]
+  assert compiles_during(lambda: fn(w, x), caplog) >= 1
+  for _ in range(2):
+    assert compiles_during(lambda: fn(w, x), caplog) == 0
+
+
+def test_custom_vjp_and_custom_jvp_rules_are_autocast_under_grad():
+  """Their matmuls ran in float32 under `grad` (forward 120 FLOPs float16, gradient 480 float32)."""
+
+  @jax.custom_vjp
+  def linear(x, w):
+    return x @ w
+
+  linear.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+  @jax.custom_jvp
+  def square_matmul(h):
+    return h @ h.T
+
+  square_matmul.defjvp(lambda p, t: (p[0] @ p[0].T, t[0] @ p[0].T + p[0] @ t[0].T))
+
+  def loss(w, x):
+    return jnp.sum(square_matmul(jnp.tanh(linear(x, w))))
+
+  w = jax.random.normal(jax.random.key(0), (4, 3)) / 2
+  x = jax.random.normal(jax.random.key(1), (5, 4))
+  cast = jaxscale.autocast(loss, "mixed_float16")
+  report = jaxscale.precision_report(jax.grad(cast), w, x)
+  assert set(report.matmul_flops) == {"float16"}
+  # forward: x @ w (2*5*4*3) and h @ h.T (2*5*3*5); backward: the JVP rule's two products
+  # (transposed), and the bwd rule's g @ w.T and x.T @ g.
+  assert report.matmul_flops["float16"] == 120 + 150 + 2 * 150 + 2 * 120
+  assert_close_to_float32(cast, loss, w, x)
+
+
+def test_float16_values_flow_through_calls_custom_jvp_activations_stop_gradient_and_names():
+  """They were converted back to float32 at each: everything elementwise after a ReLU ran in float32."""
+  from jax.ad_checkpoint import checkpoint_name
+
+  scale = jax.jit(lambda h: h * 2)
+
+  def fun(w, x):
+    h = jax.nn.relu(x @ w)
+    h = jax.nn.silu(scale(h)) + jax.nn.gelu(h, approximate=False)  # (approximate: a cube, float32's)
+    h = checkpoint_name(h, "hidden") + jax.lax.stop_gradient(h)
+    return jnp.tanh(h) @ w
+
+  w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+  jaxpr = jax.make_jaxpr(jaxscale.autocast(fun, "mixed_float16"))(w, x).jaxpr
+  for eqn in all_eqns(jaxpr):
+    if eqn.primitive.name in ("tanh", "add", "mul", "max", "logistic", "name", "stop_gradient"):
+      assert F32 not in floating_operand_dtypes(eqn), eqn
+  assert not [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == F32][:-1]
+
+
+def test_a_checkpointed_block_saves_float16_residuals():
+  def fun(w, x):
+    return jnp.sum(jax.checkpoint(lambda h: jnp.tanh(h @ w) @ w)(x))
+
+  w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+  jaxpr = jax.make_jaxpr(jaxscale.autocast(fun, "mixed_float16"))(w, x).jaxpr
+  (remat,) = [e for e in all_eqns(jaxpr) if e.primitive.name in ("checkpoint", "remat", "remat2")]
+  assert [v.aval.dtype for v in remat.outvars] == [F16]
+  assert [d for e in all_eqns(jaxpr) if e.primitive.name == "tanh" for d in floating_operand_dtypes(e)] == [F16]
+
+
+def test_stateful_equinox_layers():
+  """BatchNorm under vmap and SpectralNorm failed with "Attempted to use old state"."""
+  eqx = import_equinox()
+
+  linear = eqx.nn.Linear(3, 3, key=jax.random.key(1))
+  norm, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, axis_name="batch", mode="ema")
+
+  def model(x, state):
+    return jax.vmap(lambda x, s: norm(linear(x), s), axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+
+  x = jax.random.normal(jax.random.key(0), (8, 3))
+  (y, new), (ref_y, ref_new) = jaxscale.autocast(model, "mixed_float16")(x, state), model(x, state)
+  assert y.dtype == F32
+  # BatchNorm normalises by the batch's own statistics: outputs of magnitude ~1, computed from
+  # float16 products (relative 2**-11 each, 3 terms): 1e-2 covers them with a wide margin.
+  np.testing.assert_allclose(y, ref_y, atol=1e-2)
+  for got, expected in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new)):
+    assert got.dtype == expected.dtype
+    np.testing.assert_allclose(got, expected, atol=1e-2)
+
+  spectral, sstate = eqx.nn.make_with_state(eqx.nn.SpectralNorm)(linear, "weight", key=jax.random.key(3))
+  (y, _), (ref_y, _) = jaxscale.autocast(spectral, "mixed_float16")(x[0], sstate), spectral(x[0], sstate)
+  np.testing.assert_allclose(y, ref_y, atol=1e-2)
+
+
+LINEAR_ALGEBRA = {
+    "solve": lambda a: jnp.linalg.solve(a, a @ a),
+    "inv": lambda a: jnp.linalg.inv(a @ a),
+    "expm": lambda a: jax.scipy.linalg.expm(a @ a / 10),
+    "cg": lambda a: jax.scipy.sparse.linalg.cg(lambda v: (a @ a.T) @ v, a[0])[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_ALGEBRA))
+def test_linear_solves_run_and_a_float32_region_around_them_is_float32(name):
+  """`custom_linear_solve` (solve, inv, expm, cg) was refused, the nested float32 region too."""
+  fun = LINEAR_ALGEBRA[name]
+  a = jnp.eye(3) * 3 + 0.1 * jax.random.normal(jax.random.key(5), (3, 3))
+  reference = np.asarray(jax.jit(fun)(a.astype(np.float64) if jax.config.jax_enable_x64 else a))
+  cast = jaxscale.autocast(fun, "mixed_float16")
+  # The matrix is well conditioned (|a - 3 I| <= 0.3: condition number below 2 for a, 4 for a @ a),
+  # so float16's 2**-11 per product grows by at most the condition number and a few roundings.
+  np.testing.assert_allclose(cast(a), reference, rtol=2e-2, atol=2e-2 * np.abs(reference).max())
+  assert jax.grad(lambda a: jnp.sum(cast(a)))(a).dtype == F32
+  wide = jaxscale.autocast(lambda a: jaxscale.autocast(fun, "float32")(a), "mixed_float16")
+  np.testing.assert_allclose(wide(a), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+  report = jaxscale.precision_report(wide, a)
+  assert set(report.matmul_flops) == {"float32"}

@@ -254,9 +254,11 @@ LOW_PRECISION_RTOL = {
     # rounding of the momentum to the size of the step (in float32, a last-bit difference: RTOL).
     "optax.contrib.muon": 2.0,
     # The projection onto the gradients' top singular vectors, stored in bfloat16, is orthonormal
-    # only to bfloat16's precision: 4% after three steps.
-    "optax.contrib.galore": 0.05,
-    "optax.contrib.scale_by_galore": 0.05,
+    # only to bfloat16's precision: each of its elements within 2**-7, the projected gradient and
+    # the update projected back each within about 2**-7 * sqrt(4) (four rows), Adam's normalization
+    # in between amplifying small components; 4% and 5.6% after three steps on two random streams.
+    "optax.contrib.galore": 0.1,
+    "optax.contrib.scale_by_galore": 0.1,
 }
 
 

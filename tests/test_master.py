@@ -47,7 +47,16 @@ def run(tx, params, grads_of, steps=STEPS):
   return history, step
 
 
-def test_equals_float32_reference_run_bit_for_bit():
+# The two runs are two compiled programs: XLA:CPU may contract a multiply-add of Adam's moments into
+# a fused multiply-add in one and not in the other (seen since the true-gradient contract: element
+# 0 of `mu` one ulp apart at step 1). Each contraction skips one rounding, at most half a float32
+# ulp (2**-24 relative) of the moment, and the moments carry it on with decay below 1, so after
+# STEPS steps the moments, and with them the updates and the master, are within STEPS * 2**-23
+# (relative) of the reference's; every other difference would be far larger.
+DRIFT = STEPS * 2.0**-23
+
+
+def test_equals_float32_reference_run():
   params = f16_params()
   tx = jaxscale.master_weights(make_inner())
   history, step = run(tx, (params), lambda i: (random_grads(i, params)))
@@ -58,15 +67,15 @@ def test_equals_float32_reference_run_bit_for_bit():
   before = params["w"]
   for (p, s), (p_ref, s_ref) in zip(history, reference):
     assert p["w"].dtype == jnp.float16 and p["b"].dtype == jnp.float32
-    np.testing.assert_array_equal(s.master["w"], p_ref["w"])  # the master is the float32 run
+    np.testing.assert_allclose(s.master["w"], p_ref["w"], rtol=DRIFT, atol=0)  # the master is the float32 run
     if bool(jaxscale.find_scaler(s).last_skipped):
       np.testing.assert_array_equal(p["w"], before)  # a skipped step moves nothing
     else:
-      assert_lands(before, p["w"], p_ref["w"].astype(jnp.float16))
+      assert_lands(before, p["w"], s.master["w"].astype(jnp.float16))
     before = p["w"]
-    np.testing.assert_array_equal(p["b"], p_ref["b"])  # float32 leaves pass through
+    np.testing.assert_allclose(p["b"], p_ref["b"], rtol=DRIFT, atol=0)  # float32 leaves pass through
     assert isinstance(s.master["b"], optax.MaskedNode)  # and have no copy
-    chex_equal(s.inner_state, s_ref)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=DRIFT, atol=0), s.inner_state, s_ref)
   assert int(jaxscale.find_scaler(history[-1][1]).skipped_steps) == 1
   assert step._cache_size() == 1  # one compilation for the whole run, skipped step included
 
@@ -224,25 +233,39 @@ def test_stochastic_rounding_draws_new_numbers_each_step():
 
 
 def test_gradients_below_float16_subnormals_reach_the_master():
-  """True gradients of 2**-30 exist in float16 only scaled; a float32 unscale keeps them."""
+  """True gradients of 2**-30 exist in float16 only scaled; the gradient site unscales them in float32."""
   true_grad = 2.0**-30 * jnp.arange(1, 5, dtype=jnp.float32)
   scaled = (true_grad * 2.0**16).astype(jnp.float16)  # 2**-14 * k: representable
   np.testing.assert_array_equal(scaled.astype(jnp.float32), true_grad * 2.0**16)
-  params = jnp.ones(4, jnp.float16)
+  params = jnp.zeros(4, jnp.float16)
+  tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**16))
+  state = tx.init(params)
+  grads, finite = jaxscale.unscale_and_check(jaxscale.find_scaler(state), scaled)
+  assert grads.dtype == jnp.float32
+  np.testing.assert_array_equal(grads, true_grad)
+  _, state = tx.update(grads, state, params, finite=finite)
+  np.testing.assert_array_equal(state.master, -true_grad)  # exactly what float32 gives
+  # Unscaled in float16 instead, every one of them would have flushed to zero.
+  assert not np.any(np.asarray(scaled) * np.float16(2.0**-16))
 
-  right = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0), init_scale=2.0**16))
-  _, state = right.update(scaled, right.init(params), params)
-  np.testing.assert_array_equal(state.master, 1.0 - true_grad)  # exactly what float32 gives
 
-  # What the other order would do: unscaling in float16 flushes every one of them to zero.
-  unscaled16, _ = jaxscale.unscale_and_check(jaxscale.init(init_scale=2.0**16), scaled)
-  assert unscaled16.dtype == jnp.float16 and not np.any(unscaled16)
-
-
-def test_wrong_nesting_is_refused():
-  wrong = jaxscale.dynamic_loss_scaling(optax.chain(optax.identity(), jaxscale.master_weights(optax.adam(1e-3))))
-  with pytest.raises(ValueError, match=r"master_weights\(dynamic_loss_scaling\(inner\)\)"):
-    wrong.init({"w": jnp.ones(3, jnp.float16)})
+@pytest.mark.parametrize("method", ["float32", "kahan", "stochastic_rounding"])
+def test_either_nesting_trains_the_same(method):
+  # The wrapper no longer unscales: around master_weights or inside it, the same true gradients give
+  # the same parameters, and a skipped step keeps everything.
+  params = {"w": jnp.linspace(-1, 1, 6, dtype=jnp.float16)}
+  grads = [{"w": jnp.full(6, g, jnp.float32)} for g in (1e-3, jnp.inf, -2e-3, 5e-4)]
+  runs = [jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.adam(1e-2)), method=method),
+          jaxscale.dynamic_loss_scaling(jaxscale.master_weights(optax.adam(1e-2), method=method))]
+  finals = []
+  for tx in runs:
+    p, state = params, tx.init(params)
+    for g in grads:
+      updates, state = jax.jit(tx.update)(g, state, p)
+      p = optax.apply_updates(p, updates)
+    finals.append(p)
+    assert int(jaxscale.find_scaler(state).skipped_steps) == 1
+  np.testing.assert_array_equal(finals[0]["w"], finals[1]["w"])
 
 
 def test_inside_chain_and_found_by_find_scaler():
@@ -436,3 +459,27 @@ def test_jit_with_donation(method):
 def test_an_optimizer_factory_not_called_says_call_it():
   with pytest.raises(TypeError, match=r"call it, e.g. `master_weights\(optax.adam\(learning_rate\)\)`"):
     jaxscale.master_weights(optax.adam)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("method", METHODS)
+def test_float8_parameters_are_refused_by_name(method, dtype):
+  """float8_e4m3fn has no infinity, so the rounding's `nextafter(x, inf)` is NaN: every parameter
+  was NaN after the first stochastically rounded step."""
+  params = {"w": jnp.ones(3, dtype), "b": jnp.zeros(2)}
+  with pytest.raises(ValueError, match=rf"dtype {dtype} at \['w'\]; it supports float16 and bfloat16"):
+    jaxscale.master_weights(optax.sgd(1e-3), method=method).init(params)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_size_parameters(method):
+  """An empty leaf (a (0, 3) matrix) beside a real one: it stays empty, and the other follows
+  float32 SGD as without it."""
+  params = {"empty": jnp.zeros((0, 3), jnp.float16), "w": jnp.ones(4, jnp.float16)}
+  tx = jaxscale.master_weights(optax.sgd(0.25), method=method)
+  grads = {"empty": jnp.zeros((0, 3), jnp.float32), "w": jnp.full(4, 1.0, jnp.float32)}
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  assert new["empty"].shape == (0, 3) and new["empty"].dtype == jnp.float16
+  np.testing.assert_array_equal(new["w"], np.full(4, 0.75, np.float16))  # exact in float16: no rounding
+

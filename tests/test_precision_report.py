@@ -152,3 +152,39 @@ def test_resnet_with_explicit_float32_dtypes(backward):
 def test_a_report_of_something_not_callable_says_the_function_comes_first():
   with pytest.raises(TypeError, match="takes the function first"):
     jaxscale.precision_report(jnp.ones(2), jnp.ones(2))
+
+
+def test_operations_are_counted_per_dtype():
+  """Counted by hand: the matmul, its tanh and the sum (float32's reduction, 16-bit operands cast first)."""
+  w, x = jnp.ones((3, 4)), jnp.ones((2, 3))
+  report = jaxscale.precision_report(jaxscale.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)), "mixed_float16"), w, x)
+  assert report.matmul_counts == {"float16": 1}
+  # float16: the two casts to it, the matmul, tanh; float32: the cast of tanh's output, the sum.
+  assert report.op_counts == {"float16": 4, "float32": 2}
+  stacked = lambda w, h: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, w)[0]  # noqa: E731
+  report = jaxscale.precision_report(stacked, jnp.ones((5, 3, 3)), jnp.ones((2, 3)))
+  assert report.matmul_counts == {"float32": 5} and report.op_counts == {"float32": 10}  # a scan's body 5 times
+  assert str(report).splitlines()[:2] == [
+      "dtype       matmul FLOPs   share  matmuls", "float32              180  100.0%        5"]
+
+
+def test_named_axes_are_bound_by_axis_env():
+  """A Flax BatchNorm(axis_name=...) model, meant for pmap, failed with "unbound axis name"."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.BatchNorm(use_running_average=False, axis_name="batch")(nn.Dense(4)(x))
+
+  x, model = jnp.ones((2, 3)), Net()
+  variables = jax.vmap(lambda x: model.init(jax.random.key(0), x), axis_name="batch")(x[None])
+  variables = jax.tree.map(lambda leaf: leaf[0], variables)  # the one device's
+
+  def apply(variables, x):
+    return model.apply(variables, x, mutable=["batch_stats"])[0]
+
+  with pytest.raises(NameError, match="batch"):
+    jaxscale.precision_report(apply, variables, x)
+  report = jaxscale.precision_report(jaxscale.autocast(apply, "mixed_float16"), variables, x, axis_env={"batch": 8})
+  assert report.matmul_flops == {"float16": 2 * 2 * 3 * 4}  # counted once: per device

@@ -1,0 +1,131 @@
+"""Stochastic rounding to 16 bits, and the random numbers it draws: what `master_weights` and
+`low_precision_state` share.
+
+A float32 ``x`` between two neighbours ``down < x < up`` of a 16-bit dtype is
+rounded up with probability ``(x - down) / (up - down)``, so its expected
+value is ``x`` exactly::
+
+    seeds = leaf_key(key, stream, leaf)              # two uint32 scalars
+    u = uniform(seeds, shape)                        # one number per element
+    rounded = up if u < (x - down) / (up - down) else down
+
+The numbers come from a key held in each wrapper's state, split once per
+step, and from a *stream*: each wrapper hashes its own constant and each
+leaf's index into the key, so that `master_weights` and `low_precision_state`
+given the same seed (both default to 0) still draw independent numbers, where
+parameter leaf i and state leaf i once drew the same ones. bfloat16 (every
+stored state leaf) is rounded on its bits by `to_bfloat16`, the same rule
+with integer arithmetic.
+
+A low module: it imports nothing else of jaxscale.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The streams: any distinct constants, hashed with the key and the leaf's index, so no leaf of one
+# wrapper shares numbers with a leaf of the other.
+MASTER_WEIGHTS = 0x6D617374  # "mast"
+LOW_PRECISION_STATE = 0x6C6F7770  # "lowp"
+
+DTYPES = ("float16", "bfloat16")
+
+
+def raw_key(key, who: str) -> jax.Array:
+  """A raw ``uint32[2]`` PRNG key (what Orbax and ``jax.tree.map`` handle) from an int or a key."""
+  if isinstance(key, (int, np.integer)):
+    return jax.random.PRNGKey(int(key))
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  if key.dtype != jnp.uint32 or key.shape != (2,):
+    raise ValueError(
+        f"`{who}` got key of dtype {key.dtype} and shape {key.shape}; pass an int seed, "
+        "`jax.random.key(seed)` or `jax.random.PRNGKey(seed)`."
+    )
+  return key
+
+
+def leaf_key(key: jax.Array, stream: int, index: int) -> jax.Array:
+  """The seeds (two ``uint32`` scalars) of leaf ``index`` of ``stream``, from a wrapper's per-step raw key.
+
+  Hashed with `_lowbias32` rather than `jax.random.fold_in`: each threefry call compiles to a
+  loop of its own, three per leaf once, and they made the compile time of a 16-bit Adam step
+  several times float32's (benchmarks/NOTES.md #28). Rounding noise needs well-mixed bits, not a
+  cryptographic stream.
+  """
+  key = key.astype(jnp.uint32)
+  a = _lowbias32(key[0] ^ jnp.uint32(stream))
+  b = _lowbias32(key[1] ^ jnp.uint32((index * 0x9E3779B9 + 0x7F4A7C15) & 0xFFFFFFFF))
+  return _lowbias32(a + b), _lowbias32(a ^ _lowbias32(b + jnp.uint32(1)))
+
+
+def random_bits(seeds: jax.Array, shape) -> jax.Array:
+  """Random uint32 numbers, one per element, from ``seeds`` (`leaf_key`) and each element's index.
+
+  A counter-based hash (Wellons' ``lowbias32``, applied twice, seeded from the key) rather than
+  ``jax.random.bits``: it is elementwise, so it fuses into the rounding that reads it, where
+  threefry's intermediate arrays made ``low_precision_state``'s compiled Adam step carry 42 bytes
+  per parameter of temporaries (benchmarks/NOTES.md #20). Computed from the global index, so a
+  sharded or replicated array draws the same numbers on every device.
+  """
+  index = jax.lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
+  return _lowbias32(_lowbias32(index ^ seeds[0]) + seeds[1])
+
+
+def uniform(seeds: jax.Array, shape) -> jax.Array:
+  """Uniform float32 numbers in [0, 1), multiples of 2**-24, one per element (`random_bits`)."""
+  return (random_bits(seeds, shape) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def _lowbias32(x: jax.Array) -> jax.Array:
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def stochastic_round(x: jax.Array, dtype, u: jax.Array) -> jax.Array:
+  """``x`` (finite float32, within ``dtype``'s finite range) to ``dtype`` (float16 or bfloat16):
+  up with probability (x - down) / (up - down), so unbiased.
+
+  Only 16-bit dtypes with infinities: ``nextafter(largest, inf)`` must be inf for the
+  comparison to hold at the top of the range, and the float8 formats without one
+  (``float8_e4m3fn``) make it NaN.
+  """
+  near = materialise(x.astype(dtype))
+  down = jnp.where(near.astype(jnp.float32) > x, jnp.nextafter(near, jnp.asarray(-jnp.inf, dtype)), near)
+  up = jnp.nextafter(down, jnp.asarray(jnp.inf, dtype))
+  # Both differences are exact: `x` lies between two neighbours, whose gap is a power of two.
+  fraction = (x - down.astype(jnp.float32)) / (up.astype(jnp.float32) - down.astype(jnp.float32))
+  return jnp.where(u < fraction, up, down)
+
+
+def to_bfloat16(x: jax.Array, seeds: jax.Array) -> jax.Array:
+  """``x`` (float32) rounded stochastically to bfloat16, on its bits: unbiased for every finite value.
+
+  bfloat16 is float32's upper 16 bits. Adding 16 random bits to the lower 16 and keeping the upper
+  carries into them with probability (x - down) / (up - down), since the lower bits are that
+  fraction of the gap in units of 2**-16, in every binade and in the subnormals, and a carry out
+  of the mantissa is the next binade's first value. Integer arithmetic only: no float32 difference
+  of two neighbours, which flushes to zero below 2**-119 on XLA:CPU (the `stochastic_round` way
+  then rounded every such element down), and nothing that keeps XLA from fusing the rounding into
+  the computation of ``x``. Clipped to bfloat16's largest finite value first, so no finite value
+  becomes inf; inf stays inf, NaN stays NaN.
+  """
+  big = jnp.float32(jnp.finfo(jnp.bfloat16).max)
+  bits = jax.lax.bitcast_convert_type(jnp.clip(x.astype(jnp.float32), -big, big), jnp.uint32)
+  upper = ((bits + (random_bits(seeds, x.shape) >> 16)) >> 16).astype(jnp.uint16)
+  rounded = jax.lax.bitcast_convert_type(upper, jnp.bfloat16)
+  # inf was clipped, and a NaN's payload could carry into the sign bit: both as they were.
+  return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.bfloat16))
+
+
+def materialise(x: jax.Array) -> jax.Array:
+  """``x`` as computed: XLA folds a float32 -> 16-bit -> float32 round trip away
+  (`xla_allow_excess_precision`), which would compare unrounded values."""
+  return jax.lax.optimization_barrier(x)
