@@ -250,7 +250,8 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
   """
   compute = policy.compute_dtype
   if policy.matmul_dtype is not None:
-    return [_float8.matmul(eqn.primitive, eqn.params, *ins, compute)]
+    lhs, rhs = ins
+    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute)]
   return _interpret.bind(eqn, [_to(x, compute) for x in ins], dict(eqn.params, preferred_element_type=compute))
 
 
@@ -372,7 +373,7 @@ def _like(values, types):
 
 def _dtype(x):
   dtype = getattr(x, "dtype", None)
-  return dtype if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(jnp.result_type(x))
+  return dtype if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.extended) else np.dtype(jnp.result_type(x))
 
 
 def _promote(eqn, ins):

@@ -254,4 +254,4 @@ def _dot_cotangent(g, other, params, ndim: int, *, lhs: bool) -> jax.Array:
   dims = ((tuple(g_other), tuple(other_kept)), (tuple(range(batch)), tuple(other_batch)))
   out = lax.dot_general(g, other, dims, precision=params.get("precision"), preferred_element_type=jnp.float32)
   order = [*own_batch, *own_kept, *(own_contract[i] for i in np.argsort(other_contract))]
-  return jnp.transpose(out, np.argsort(order))
+  return jnp.transpose(out, tuple(int(i) for i in np.argsort(order)))

@@ -162,10 +162,10 @@ class _Counts:
   matmuls: Counter = dataclasses.field(default_factory=Counter)
   ops: Counter = dataclasses.field(default_factory=Counter)
   sensitive: Counter = dataclasses.field(default_factory=Counter)
-  wider: Counter = dataclasses.field(default_factory=Counter)
+  wider: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
   while_loops: int = 0
 
-  def add(self, other: _Counts, times: float, reason: str = "") -> None:
+  def add(self, other: _Counts, times: int, reason: str = "") -> None:
     """Adds a sub-program's counts; all its FLOPs as kept wider for ``reason`` when it names one."""
     for mine, theirs in ((self.flops, other.flops), (self.matmuls, other.matmuls), (self.ops, other.ops), (self.sensitive, other.sensitive)):
       for key, value in theirs.items():

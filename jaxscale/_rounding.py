@@ -49,7 +49,7 @@ def raw_key(key, who: str) -> jax.Array:
   return key
 
 
-def leaf_key(key: jax.Array, stream: int, index: int) -> jax.Array:
+def leaf_key(key: jax.Array, stream: int, index: int) -> tuple[jax.Array, jax.Array]:
   """The seeds (two ``uint32`` scalars) of leaf ``index`` of ``stream``, from a wrapper's per-step raw key.
 
   Hashed with `_lowbias32` rather than `jax.random.fold_in`: each threefry call compiles to a
@@ -63,7 +63,7 @@ def leaf_key(key: jax.Array, stream: int, index: int) -> jax.Array:
   return _lowbias32(a + b), _lowbias32(a ^ _lowbias32(b + jnp.uint32(1)))
 
 
-def random_bits(seeds: jax.Array, shape) -> jax.Array:
+def random_bits(seeds: tuple[jax.Array, jax.Array], shape) -> jax.Array:
   """Random uint32 numbers, one per element, from ``seeds`` (`leaf_key`) and each element's index.
 
   A counter-based hash (Wellons' ``lowbias32``, applied twice, seeded from the key) rather than
@@ -76,7 +76,7 @@ def random_bits(seeds: jax.Array, shape) -> jax.Array:
   return _lowbias32(_lowbias32(index ^ seeds[0]) + seeds[1])
 
 
-def uniform(seeds: jax.Array, shape) -> jax.Array:
+def uniform(seeds: tuple[jax.Array, jax.Array], shape) -> jax.Array:
   """Uniform float32 numbers in [0, 1), multiples of 2**-24, one per element (`random_bits`)."""
   return (random_bits(seeds, shape) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
@@ -105,7 +105,7 @@ def stochastic_round(x: jax.Array, dtype, u: jax.Array) -> jax.Array:
   return jnp.where(u < fraction, up, down)
 
 
-def to_bfloat16(x: jax.Array, seeds: jax.Array) -> jax.Array:
+def to_bfloat16(x: jax.Array, seeds: tuple[jax.Array, jax.Array]) -> jax.Array:
   """``x`` (float32) rounded stochastically to bfloat16, on its bits: unbiased for every finite value.
 
   bfloat16 is float32's upper 16 bits. Adding 16 random bits to the lower 16 and keeping the upper
