@@ -165,7 +165,8 @@ def matmul(primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute
 
 def warn_float8_arguments(arrays) -> None:
   """The trace-time warning for float8 arrays among an autocast function's arguments."""
-  float8 = [f"{x.dtype.name}{list(x.shape)}" for x in arrays if _tree.is_floating(x, real=True) and x.dtype.itemsize == 1]
+  is_float8 = lambda x: _tree.is_floating(x, real=True) and x.dtype.itemsize == 1  # noqa: E731
+  float8 = [f"{x.dtype.name}{list(x.shape)}" for x in arrays if is_float8(x)]
   if float8:
     warnings.warn(
         f"`jaxscale.autocast` got float8 arrays among its arguments ({', '.join(float8[:3])}"

@@ -186,7 +186,8 @@ def check_forward(a, b, compute=jnp.float32, dims=MATMUL):
   product = lambda x, z: dot64(x, z, dims)
   # Cast to the compute dtype: half an ulp of the result (2**-24 for float32, 2**-8 for bfloat16).
   cast = 2.0 ** -(jnp.finfo(compute).nmant + 1)
-  summed = (terms * 2.0**-24 / (1 - terms * 2.0**-24)) * np.ldexp(product(np.abs(qa.astype(float)), np.abs(qb.astype(float))), -(ka + kb))
+  magnitudes = np.ldexp(product(np.abs(qa.astype(float)), np.abs(qb.astype(float))), -(ka + kb))
+  summed = (terms * 2.0**-24 / (1 - terms * 2.0**-24)) * magnitudes
   assert (np.abs(y - exact) <= summed * (1 + cast) + cast * np.abs(exact)).all()
   bound = error_bound(product, a, b, ka, kb, E4M3, E4M3, terms) * (1 + cast) + cast * np.abs(exact)
   error = np.abs(y - dot64(a, b, dims))
@@ -292,7 +293,10 @@ def test_convolution_gradients_within_the_formats_bound(x64):
   g = normal(y.shape, seed=2, scale=1e-7)
   dx, dw = pullback(jnp.asarray(g))
   (_, kx), (_, kw), (_, kg) = (reference_quantize(v, f) for v, f in ((x, E4M3), (w, E4M3), (g, E5M2)))
-  vjp64 = lambda a, b, c: jax.vjp(conv, jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64))[1](jnp.asarray(c, jnp.float64))
+  def vjp64(a, b, c):
+    a, b, c = (jnp.asarray(v, jnp.float64) for v in (a, b, c))
+    return jax.vjp(conv, a, b)[1](c)
+
   ref_dx, ref_dw = (np.asarray(r) for r in vjp64(x, w, g))
   bound_x = error_bound(lambda c, b: np.asarray(vjp64(np.zeros(x.shape), b, c)[0]), g, w, kg, kw, E5M2, E4M3, 16 * 9)
   bound_w = error_bound(lambda c, a: np.asarray(vjp64(a, np.zeros(w.shape), c)[1]), g, x, kg, kx, E5M2, E4M3, 2 * 81)
@@ -351,7 +355,8 @@ def test_the_preset_is_mixed_bfloat16_with_float8_matmuls():
 @pytest.mark.parametrize("field", ["param_dtype", "compute_dtype", "output_dtype"])
 def test_a_float8_policy_dtype_says_to_use_the_preset(field):
   dtypes = {"param_dtype": F32, "compute_dtype": F32, "output_dtype": F32, field: jnp.float8_e4m3fn}
-  with pytest.raises(ValueError, match=f"`Policy.{field}` cannot be the float8 dtype float8_e4m3fn: .* Use the preset 'mixed_float8'"):
+  message = f"`Policy.{field}` cannot be the float8 dtype float8_e4m3fn: .* Use the preset 'mixed_float8'"
+  with pytest.raises(ValueError, match=message):
     jaxscale.Policy(**dtypes)
 
 
