@@ -150,7 +150,7 @@ def init(
     >>> jaxscale.init(enabled=False).scale
     Array(1., dtype=float32)
   """
-  if _staging():
+  if _staging() and not isinstance(init_scale, Tracer):  # a traced scale is threaded through on purpose
     warnings.warn(
         "jaxscale: `jaxscale.init` was called inside a traced function (`jit`, `scan`, ...): a "
         "scaler built there starts afresh at every call, so its scale never adapts, and after one "

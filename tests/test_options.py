@@ -247,8 +247,10 @@ def test_other_errors_word_for_word():
        "'backoff_factor', 'growth_factor', 'growth_interval', 'scale']."),
       (lambda: jaxscale.raise_if_stalled(stalled), FloatingPointError,
        "jaxscale: a step overflowed while the loss scale was already at `min_scale` (1.0); every step "
-       "since has been skipped and the parameters hold their last finite values. Lower `min_scale`, or "
-       "look for the source of the inf/NaN in the model."),
+       "since has been skipped and the parameters hold their last finite values. Look for the source "
+       "of the inf/NaN in the model, or lower `min_scale`; or, if the loss is scaled by another scaler "
+       "than this optimizer's (one found once and reused, or a fresh `jaxscale.init()`), take "
+       "`jaxscale.find_scaler(opt_state)` inside each step."),
       (lambda: jaxscale.scale(state, jnp.int32(1)), ValueError,
        "`jaxscale.scale` needs a floating loss (or a pytree with at least one floating leaf), but got "
        "leaves of dtypes ['int32']."),

@@ -78,8 +78,10 @@ TRACES = collections.Counter()  # how often each step function was traced, over 
 def _wrapper_steps(tx, enabled):
   @jax.jit
   def checked(params, opt_state, scaled_grads):
+    """The gradient site by hand (unscale and check with the optimizer's own scaler), then the update."""
     TRACES["checked", enabled] += 1
-    updates, opt_state = tx.update(scaled_grads, opt_state, params)
+    grads, finite = jaxscale.unscale_and_check(jaxscale.find_scaler(opt_state), scaled_grads)
+    updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
     return optax.apply_updates(params, updates), opt_state, updates
 
   @jax.jit
@@ -227,7 +229,8 @@ class ScalerMachine(RuleBasedStateMachine):
 
   @rule(data=st.data(), finite=st.booleans())
   def flagged_step(self, data, finite):
-    """Gradients already unscaled and checked: the flag given decides, the gradients are not re-checked."""
+    """True gradients with a flag: the flag given is ANDed with the wrapper's own check (the
+    gradients are poisoned only where the flag is False, so the flag decides)."""
     grads = true_grads(data)
     if self.model.enabled and not finite and data.draw(st.booleans(), label="poisoned"):
       grads = poison(data, grads)
