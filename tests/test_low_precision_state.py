@@ -403,7 +403,12 @@ def test_bfloat16_parameters_with_float32_gradients():
     v_hat = np.asarray(ref_state[0].nu, np.float64) / (1 - 0.999**2)
     want = np.asarray(want, np.float64)
     tol = 2.0**-7 * (np.abs(want) + 1e-3 * 0.9 * m_before / (1 - 0.9**2) / (np.sqrt(v_hat) + 1e-8))
-    assert np.all(np.abs(np.asarray(u, np.float64) - want) <= (0 if i == 0 else tol))
+    # At the first step the state is still exact, and the two programs (one jitted, the reference
+    # op by op) differ only in how XLA fuses Adam's float32 arithmetic: about 6 roundings of
+    # 2**-24 each (m, v, the two bias corrections, sqrt, the quotient), 8 ulps allowed (jax 0.7.1
+    # measured 1: 1.2e-10 on an update of 1e-3).
+    first = 8 * 2.0**-24 * np.abs(want)
+    assert np.all(np.abs(np.asarray(u, np.float64) - want) <= (first if i == 0 else tol))
     assert state.inner_state[0].nu.values.dtype == jnp.bfloat16
   assert update._cache_size() == 1
 
