@@ -257,22 +257,31 @@ def skip_where_produced(finite, update, updates, inner_state, params):
   return jax.tree.unflatten(jax.tree.structure(out_shape), new_updates + new_state)
 
 
-def jaxscale_skipping_by(skip):
+def jaxscale_swapping(module_name, attribute, replacement):
+  """jaxscale's wrapper with one private function of the library swapped for ``replacement`` while
+  the step is traced: everything else is the library's, so the rows differ only in that piece."""
+
   def variant(opt):
     init, step = jaxscale_wrapper(opt)
 
-    def traced_with_skip(*args):
-      from jaxscale import _skip
+    def traced_with_swap(*args):
+      import importlib
 
-      library_skip, _skip.update_or_keep = _skip.update_or_keep, skip
+      module = importlib.import_module(f"jaxscale.{module_name}")
+      library = getattr(module, attribute)
+      setattr(module, attribute, replacement)
       try:
         return step(*args)
       finally:
-        _skip.update_or_keep = library_skip
+        setattr(module, attribute, library)
 
-    return init, traced_with_skip
+    return init, traced_with_swap
 
   return variant
+
+
+def jaxscale_skipping_by(skip):
+  return jaxscale_swapping("_skip", "update_or_keep", skip)
 
 
 # ---------------------------------------------------------------- finite checks
@@ -303,21 +312,7 @@ def check_by_stacked_sums(tree, *, axis_name=None):
 
 
 def jaxscale_checking_by(check):
-  def variant(opt):
-    init, step = jaxscale_wrapper(opt)
-
-    def traced_with_check(*args):
-      from jaxscale import _scaler
-
-      library_check, _scaler.all_finite = _scaler.all_finite, check
-      try:
-        return step(*args)
-      finally:
-        _scaler.all_finite = library_check
-
-    return init, traced_with_check
-
-  return variant
+  return jaxscale_swapping("_scaler", "all_finite", check)
 
 
 # Name -> builder. A new peer is one more line here (and, if it steps on the true gradients, in
