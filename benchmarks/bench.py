@@ -436,8 +436,17 @@ def peak_bytes(compiled) -> int:
   return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
 
 
-def measure(config, builders, reps):
-  """Compiles every variant, then times them in interleaved rounds."""
+def measure(config, builders, reps, *, round_s=0.02):
+  """Compiles every variant, then times them in interleaved rounds.
+
+  A round of a variant is ``steps`` calls dispatched back to back, each on the
+  last one's outputs, and one wait at the end: what a training loop does. One
+  call waited on alone would add the host's dispatch of every array to the
+  device's time, which on a GPU is most of a millisecond and grows with the
+  number of arrays, not with the work (benchmarks/NOTES.md, #24). ``steps`` is
+  the same for every variant of a configuration: enough plain steps to fill
+  ``round_s`` seconds (1 for a step that already takes that long).
+  """
   runs = {}
   for name, build in builders.items():
     params, state, args, step = build()
@@ -448,13 +457,21 @@ def measure(config, builders, reps):
     text = compiled.as_text()
     runs[name] = dict(compiled=compiled, params=params, state=state, args=args, compile_s=compile_s,
                       copies=len(re.findall(r"= \S+ copy\(", text)), memory=peak_bytes(compiled), times=[])
-  for r in range(reps + 2):  # two warm-up rounds
-    for run in runs.values():
-      t0 = time.perf_counter()
+
+  def timed(run, steps):
+    t0 = time.perf_counter()
+    for _ in range(steps):
       run["params"], run["state"] = run["compiled"](run["params"], run["state"], *run["args"])
-      jax.block_until_ready(run["params"])
-      if r >= 2:
-        run["times"].append(time.perf_counter() - t0)
+    jax.block_until_ready((run["params"], run["state"]))
+    return (time.perf_counter() - t0) / steps
+
+  for _ in range(2):  # warm-up rounds
+    warm = {name: timed(run, 1) for name, run in runs.items()}
+  steps = int(np.clip(round(round_s / warm["plain"]), 1, 100))
+  for _ in range(reps):
+    for run in runs.values():
+      run["times"].append(timed(run, steps))
+  print(f"  ({reps} rounds of {steps} step{'s' if steps > 1 else ''} each)", flush=True)
   base = runs["plain"]
   rows = []
   for name, run in runs.items():
@@ -465,7 +482,7 @@ def measure(config, builders, reps):
                      ratio_q1=float(np.percentile(round_ratios, 25)), ratio_q3=float(np.percentile(round_ratios, 75)),
                      compile_s=run["compile_s"], compile_ratio=run["compile_s"] / base["compile_s"],
                      memory_mb=run["memory"] / 2**20, memory_ratio=run["memory"] / base["memory"],
-                     copies=run["copies"]))
+                     copies=run["copies"], steps=steps))
     print(f"  {name:24s} {ms:8.2f} ms  x{rows[-1]['ratio']:.2f} ({rows[-1]['ratio_q1']:.2f}-{rows[-1]['ratio_q3']:.2f})  compile {run['compile_s']:.2f}s "
           f"(x{rows[-1]['compile_ratio']:.2f})  mem x{rows[-1]['memory_ratio']:.3f}  copies {run['copies']}", flush=True)
   del runs
@@ -555,7 +572,8 @@ def write_markdown(rows, info, path):
       f"({os.path.basename(os.path.splitext(path)[0])}.json).",
       "",
       "Each configuration's variants were compiled in one process and timed in interleaved rounds "
-      f"({info['reps']} rounds, medians). Ratios are to the plain optax optimizer on the true gradients; "
+      f"({info['reps']} rounds, medians; a round is as many steps dispatched back to back as fill "
+      "20 ms of the plain step, then one wait, as a training loop runs). Ratios are to the plain optax optimizer on the true gradients; "
       "parameters and optimizer state are donated. The quartiles are those of each round's ratio "
       "to the plain step of the same round: how far this machine's noise moves a ratio. *copies* counts `copy` instructions in the "
       "optimized HLO (a copy of a donated buffer is an extra pass and an extra buffer). Memory "
