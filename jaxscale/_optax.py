@@ -225,7 +225,7 @@ def scaler_of(opt_state: Any) -> _scaler.ScalerState:
   """:func:`find_scaler` without the stall check: what :func:`jaxscale.metrics` reports,
   ``stalled`` included."""
   found = [
-      leaf if isinstance(leaf, _scaler.ScalerState) else _scaler.ScalerState(**{k: leaf[k] for k in _FIELDS})
+      _as_scaler(leaf)
       for leaf in jax.tree.leaves(opt_state, is_leaf=_is_scaler)
       if _is_scaler(leaf)
   ]
@@ -276,12 +276,22 @@ def _refuse_hidden_decisions(opt_state):
       raise ValueError(f"The optimizer state holds {_HIDING[type(node)]}")
 
 
-_FIELDS = frozenset(_scaler.ScalerState._fields)
+_PACKED = frozenset(_scaler.ScalerState._fields)  # its three leaves: floats, ints, flags
+_NAMED = frozenset(_scaler.ScalerState.FIELDS)  # its fifteen fields, as states saved before they were packed hold them
 
 
 def _is_scaler(x) -> bool:
-  """A ScalerState, or a mapping of its fields: NNX's ``nnx.state`` / ``nnx.split`` views
-  and serialized state dicts hold the scaler as such a mapping."""
+  """A ScalerState, or a mapping of its leaves: NNX's ``nnx.state`` / ``nnx.split`` views
+  and serialized state dicts hold the scaler as such a mapping (of its fifteen fields, in
+  states saved before they were packed)."""
   if isinstance(x, _scaler.ScalerState):
     return True
-  return isinstance(x, Mapping) and set(x.keys()) == _FIELDS
+  return isinstance(x, Mapping) and set(x.keys()) in (_PACKED, _NAMED)
+
+
+def _as_scaler(x) -> _scaler.ScalerState:
+  if isinstance(x, _scaler.ScalerState):
+    return x
+  if set(x.keys()) == _PACKED:
+    return _scaler.ScalerState(**{k: x[k] for k in _PACKED})
+  return _scaler.ScalerState.of(**{k: _tree.unwrap_variable(x[k]) for k in _NAMED})

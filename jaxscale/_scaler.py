@@ -43,8 +43,46 @@ from jaxscale._tree import is_floating as _is_floating
 StallPolicy = Literal["skip", "raise"]
 
 
+class _Slot:
+  """One named scalar of a packed group: ``state.scale`` reads ``state.floats[..., 0]``."""
+
+  def __init__(self, group: str, index: int):
+    self.group, self.index = group, index
+
+  def __set_name__(self, owner: type, name: str) -> None:
+    self.name = name
+
+  def __get__(self, state: Any, owner: Any = None) -> jax.Array:
+    if state is None:
+      return self  # type: ignore[return-value]  # the class attribute, for introspection
+    leaf = getattr(state, self.group)
+    if isinstance(leaf, Tracer):
+      return leaf[..., self.index]
+    # A concrete state's fields stay concrete inside a trace, as unpacked fields would be: the
+    # checks for a scaler that is a constant of a compiled step read them.
+    with jax.ensure_compile_time_eval():
+      return leaf[..., self.index]
+
+
+# The scaler's fifteen numbers, in three groups by dtype. Each group is one array, so a jitted step
+# passes three arrays in and out for the scaler instead of fifteen: on a GPU, where the host's
+# dispatch of each array is most of a small step's time, fifteen cost 15% of an 8M-parameter Adam
+# step on an H100 (benchmarks/NOTES.md, #24).
+_FLOATS = ("scale", "growth_factor", "backoff_factor", "min_scale", "max_scale")
+_INTS = ("growth_tracker", "hysteresis_tracker", "skipped_steps", "growth_interval", "hysteresis")
+_FLAGS = ("last_skipped", "stalled", "dynamic", "raise_on_stall", "enabled")
+_GROUPS = {"floats": (_FLOATS, jnp.float32), "ints": (_INTS, jnp.int32), "flags": (_FLAGS, jnp.bool_)}
+
+
 class ScalerState(NamedTuple):
-  """Everything the loss scaler knows; every leaf is a scalar array.
+  """Everything the loss scaler knows, as fifteen named scalars.
+
+  ``state.scale``, ``state.growth_tracker`` and the others (``FIELDS``) are
+  scalar arrays (or, for a batch of scalers after ``jax.vmap``, arrays of the
+  batch's shape). They are stored packed by dtype in three leaves, ``floats``,
+  ``ints`` and ``flags``, so that a compiled step passes three arrays for the
+  scaler, not fifteen. Build a state with :func:`jaxscale.init`, change its
+  options with :func:`jaxscale.configure`, and any field with :meth:`replace`.
 
   The hyperparameters live here too, as arrays: they are checkpointed with the
   state, exported by :func:`state_dict`, and can be changed between steps with
@@ -57,23 +95,67 @@ class ScalerState(NamedTuple):
     (Array(1024., dtype=float32), Array(0, dtype=int32))
     >>> state.growth_interval  # options are arrays in the state too
     Array(2000, dtype=int32)
+    >>> int(state.replace(skipped_steps=3).skipped_steps)
+    3
   """
 
-  scale: jax.Array  # shape=(), dtype=float32; 1.0 when disabled
-  growth_tracker: jax.Array  # shape=(), dtype=int32; finite steps since last growth or backoff
-  hysteresis_tracker: jax.Array  # shape=(), dtype=int32; non-finite steps tolerated before backoff
-  skipped_steps: jax.Array  # shape=(), dtype=int32; total skipped steps (saturating)
-  last_skipped: jax.Array  # shape=(), dtype=bool; whether the most recent step was skipped
-  stalled: jax.Array  # shape=(), dtype=bool; sticky, see `on_stall` in `init`
-  growth_factor: jax.Array  # shape=(), dtype=float32
-  backoff_factor: jax.Array  # shape=(), dtype=float32
-  growth_interval: jax.Array  # shape=(), dtype=int32
-  hysteresis: jax.Array  # shape=(), dtype=int32
-  min_scale: jax.Array  # shape=(), dtype=float32
-  max_scale: jax.Array  # shape=(), dtype=float32
-  dynamic: jax.Array  # shape=(), dtype=bool; False keeps the scale fixed
-  raise_on_stall: jax.Array  # shape=(), dtype=bool
-  enabled: jax.Array  # shape=(), dtype=bool
+  floats: jax.Array  # float32[..., 5]: _FLOATS
+  ints: jax.Array  # int32[..., 5]: _INTS
+  flags: jax.Array  # bool[..., 5]: _FLAGS
+
+  FIELDS = _FLOATS + _INTS + _FLAGS
+
+  scale = _Slot("floats", 0)  # 1.0 when disabled
+  growth_factor = _Slot("floats", 1)
+  backoff_factor = _Slot("floats", 2)
+  min_scale = _Slot("floats", 3)
+  max_scale = _Slot("floats", 4)
+  growth_tracker = _Slot("ints", 0)  # finite steps since the last growth or backoff
+  hysteresis_tracker = _Slot("ints", 1)  # non-finite steps still tolerated before a backoff
+  skipped_steps = _Slot("ints", 2)  # total skipped steps (saturating)
+  growth_interval = _Slot("ints", 3)
+  hysteresis = _Slot("ints", 4)
+  last_skipped = _Slot("flags", 0)  # whether the most recent step was skipped
+  stalled = _Slot("flags", 1)  # sticky, see `on_stall` in `init`
+  dynamic = _Slot("flags", 2)  # False keeps the scale fixed
+  raise_on_stall = _Slot("flags", 3)
+  enabled = _Slot("flags", 4)
+
+  @classmethod
+  def of(cls, **fields: Any) -> ScalerState:
+    """The state of these fifteen fields (``FIELDS``), each a scalar or a batch of one shape."""
+    missing, unknown = sorted(set(cls.FIELDS) - set(fields)), sorted(set(fields) - set(cls.FIELDS))
+    if missing or unknown:
+      raise TypeError(f"`ScalerState.of` takes the fields {list(cls.FIELDS)}; missing {missing}, unknown {unknown}.")
+    return cls(**{group: _pack(fields, names, dtype) for group, (names, dtype) in _GROUPS.items()})
+
+  def replace(self, **fields: Any) -> ScalerState:
+    """This state with some of its fields (``FIELDS``, by name) replaced."""
+    unknown = sorted(set(fields) - set(self.FIELDS))
+    if unknown:
+      raise TypeError(f"`ScalerState` has no field {unknown}; its fields are {list(self.FIELDS)}.")
+    packed = {}
+    for group, (names, dtype) in _GROUPS.items():
+      if fields.keys() & set(names):
+        packed[group] = _pack({n: fields[n] if n in fields else getattr(self, n) for n in names}, names, dtype)
+    return self._replace(**packed)
+
+  def fields(self) -> dict[str, jax.Array]:
+    """The fifteen fields by name."""
+    return {name: getattr(self, name) for name in self.FIELDS}
+
+  def __repr__(self) -> str:
+    shown = ", ".join(f"{name}={_shown(getattr(self, name))}" for name in self.FIELDS)
+    return f"ScalerState({shown})"
+
+
+def _pack(fields: dict[str, Any], names: tuple[str, ...], dtype: Any) -> jax.Array:
+  values = jnp.broadcast_arrays(*(jnp.asarray(fields[n], dtype) for n in names))
+  return jnp.stack(values, axis=-1)
+
+
+def _shown(x: Any) -> Any:
+  return x if isinstance(x, Tracer) else np.asarray(x).tolist()
 
 
 # The options `configure` may change, with the dtype each is stored in.
@@ -189,10 +271,8 @@ def _build(*, init_scale, growth_factor, backoff_factor, growth_interval, enable
   stored = _validate(options, {}, name_of_scale="init_scale")
   if not enabled:
     stored["scale"] = np.float32(1.0)
-  # `jnp.array` copies: no two leaves may share a buffer, or donating the
-  # state would donate one buffer twice.
-  arrays = {k: jnp.array(v, _OPTION_DTYPES[k]) for k, v in stored.items()}
-  return ScalerState(
+  arrays = {k: jnp.asarray(v, _OPTION_DTYPES[k]) for k, v in stored.items()}
+  return ScalerState.of(
       growth_tracker=jnp.zeros((), jnp.int32),
       hysteresis_tracker=jnp.array(stored["hysteresis"], jnp.int32),
       skipped_steps=jnp.zeros((), jnp.int32),
@@ -253,7 +333,7 @@ def configure(state: ScalerState, **options: Any) -> ScalerState:
     arrays["scale"] = jnp.where(state.enabled, arrays["scale"], state.scale)
   if "hysteresis" in arrays:
     arrays["hysteresis_tracker"] = jnp.array(arrays["hysteresis"])
-  return state._replace(**arrays)
+  return state.replace(**arrays)
 
 
 _TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
@@ -643,7 +723,7 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   backed_off = jnp.maximum(state.scale * state.backoff_factor, floor)
   at_floor = state.scale <= floor
 
-  new = state._replace(
+  new = state.replace(
       scale=jnp.where(grow, grown, jnp.where(back_off, backed_off, state.scale)),
       growth_tracker=jnp.where(grow, 0, tracker),
       hysteresis_tracker=jnp.where(grow, state.hysteresis, hysteresis_left),
@@ -651,7 +731,7 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
       last_skipped=~finite,
       stalled=state.stalled | (state.raise_on_stall & dynamic & ~finite & at_floor),
   )
-  return jax.tree.map(lambda n, o: jnp.where(state.enabled, n, o), new, state)
+  return jax.tree.map(lambda n, o: jnp.where(state.enabled[..., None], n, o), new, state)
 
 
 def as_flag(finite: Any) -> jax.Array:

@@ -475,10 +475,14 @@ def test_find_scaler_of_the_optimizer_itself_asks_for_its_state():
   )
 
 
-def test_find_scaler_reads_a_scaler_stored_as_a_mapping_of_its_fields():
-  # As in a serialized state dict or `nnx.state(optimizer)`: a ScalerState comes back.
-  scaler = jaxscale.init(init_scale=2.0**10, growth_interval=7)
-  found = jaxscale.find_scaler({"opt_state": {"0": scaler._asdict(), "1": {"count": jnp.int32(3)}}})
+@pytest.mark.parametrize("stored", ["leaves", "fields"])
+def test_find_scaler_reads_a_scaler_stored_as_a_mapping_of_its_fields(stored):
+  # As in a serialized state dict or `nnx.state(optimizer)`: a ScalerState comes back, from its
+  # three packed leaves or, as a state saved before they were packed holds it, its fifteen fields.
+  scaler = jaxscale.configure(jaxscale.update(jaxscale.init(init_scale=2.0**10, growth_interval=7), False), hysteresis=3)
+  mapping = scaler._asdict() if stored == "leaves" else {k: np.asarray(v) for k, v in scaler.fields().items()}
+  assert len(mapping) == (3 if stored == "leaves" else 15)
+  found = jaxscale.find_scaler({"opt_state": {"0": mapping, "1": {"count": jnp.int32(3)}}})
   assert type(found) is jaxscale.ScalerState
   assert_bitwise_equal(found, scaler)
 

@@ -214,7 +214,8 @@ def test_load_state_dict_refuses_what_init_refuses(changes, init_options, error,
 
 def test_batched_state_is_validated_elementwise_by_configure():
   states = jax.tree.map(lambda x: jnp.stack([x, x]), jaxscale.init(init_scale=2.0**10))
-  assert float(jaxscale.configure(states, growth_factor=4.0).growth_factor) == 4.0
+  # The new value goes to every scaler of the batch.
+  np.testing.assert_array_equal(jaxscale.configure(states, growth_factor=4.0).growth_factor, [4.0, 4.0])
   with pytest.raises(ValueError, match="`min_scale`"):
     jaxscale.configure(states, min_scale=2.0**11)
 

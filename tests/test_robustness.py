@@ -156,7 +156,7 @@ def test_update_refuses_a_flag_that_is_not_a_boolean_scalar(flag, error, message
 def test_update_takes_boolean_scalars(flag):
   state = jaxscale.update(jaxscale.init(init_scale=SCALE), flag)
   assert float(state.scale) == (SCALE if bool(flag) else SCALE / 2)
-  assert all(leaf.shape == () for leaf in jax.tree.leaves(state))
+  assert all(field.shape == () for field in state.fields().values())
 
 
 # The wrapper built with `axis_name` agrees over the axis when the flag comes in with `finite=`:

@@ -250,8 +250,10 @@ def test_scale_rejects_a_loss_with_no_floating_leaf(loss):
 
 
 def test_every_leaf_is_an_array_with_its_own_buffer():
+  # Three leaves, packed by dtype: a step passes 3 arrays for the scaler, not 15.
   leaves = jax.tree.leaves(jaxscale.init())
-  assert all(isinstance(leaf, jax.Array) and leaf.shape == () for leaf in leaves)
+  assert [(leaf.dtype, leaf.shape) for leaf in leaves] == [(jnp.float32, (5,)), (jnp.int32, (5,)), (jnp.bool_, (5,))]
+  assert all(isinstance(leaf, jax.Array) for leaf in leaves)
   pointers = [leaf.unsafe_buffer_pointer() for leaf in leaves]
   assert len(set(pointers)) == len(pointers)  # donating the state donates each once
 
@@ -321,7 +323,7 @@ def test_configure_keeps_a_disabled_scale_at_one():
 @pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
 def test_counters_saturate_at_int32_max(wrap):
   update = wrap(jaxscale.update)
-  state = jaxscale.init()._replace(skipped_steps=jnp.array(INT32_MAX - 1, jnp.int32))
+  state = jaxscale.init().replace(skipped_steps=jnp.array(INT32_MAX - 1, jnp.int32))
   for _ in range(3):
     state = update(state, jnp.array(False))
     assert int(state.skipped_steps) == INT32_MAX
@@ -344,7 +346,7 @@ def test_every_state_field_has_its_documented_dtype():
   flags = {"last_skipped", "stalled", "dynamic", "raise_on_stall", "enabled"}
   counters = {"growth_tracker", "hysteresis_tracker", "skipped_steps", "growth_interval", "hysteresis"}
   for state in (jaxscale.init(), jaxscale.init(enabled=False), jaxscale.update(jaxscale.init(), False)):
-    for name, value in state._asdict().items():
+    for name, value in state.fields().items():
       expected = jnp.bool_ if name in flags else jnp.int32 if name in counters else jnp.float32
       assert value.dtype == expected and value.shape == (), (name, value)
 

@@ -204,8 +204,8 @@ class ScalerMachine(RuleBasedStateMachine):
   def near_saturation(self):
     # Two steps from int32's end of the skipped-step counter (a long run would get here).
     count = jnp.array(INT32_MAX - 1, jnp.int32)
-    self.functional = self.functional._replace(skipped_steps=count)
-    self.opt_state = self.opt_state._replace(scaler=self.opt_state.scaler._replace(skipped_steps=jnp.array(count)))
+    self.functional = self.functional.replace(skipped_steps=count)
+    self.opt_state = self.opt_state._replace(scaler=self.opt_state.scaler.replace(skipped_steps=jnp.array(count)))
     self.model.skipped_steps = INT32_MAX - 1
 
   # -- steps ------------------------------------------------------------------------------------

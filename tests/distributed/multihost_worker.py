@@ -107,7 +107,7 @@ def main(port: str, process_id: str, result_path: str) -> None:
         # Every local copy of every scaler leaf, as numbers: they must all be the same.
         "scaler": {
             name: sorted({np.asarray(s.data).item() for s in getattr(scaler, name).addressable_shards})
-            for name in scaler._fields
+            for name in scaler.FIELDS
         },
         "count": np.asarray(opt_state.inner_state[0].count.addressable_data(0)).item(),
     })
