@@ -126,7 +126,13 @@ def dynamic_loss_scaling(
       )
     return DynamicLossScalingState(_scaler.build(**init_options), inner_state)
 
-  def update_fn(updates, state, params=None, *, finite=None, **extra_args):
+  def update_fn(updates, state, params=None, *positional, finite=None, **extra_args):
+    if positional:
+      raise TypeError(
+          f"`dynamic_loss_scaling`'s update takes (grads, state, params) and the flag by name, got "
+          f"{3 + len(positional)} positional arguments: write `tx.update(grads, state, params, "
+          "finite=finite)`."
+      )
     if not (hasattr(state, "scaler") and hasattr(state, "inner_state")):
       raise TypeError(
           "`dynamic_loss_scaling`'s update takes the state its own `init` built (a "

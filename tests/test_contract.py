@@ -309,6 +309,16 @@ def test_a_misspelt_finite_is_refused():
     tx.update(PARAMS, tx.init(PARAMS), PARAMS, finit=jnp.array(True))
 
 
+def test_a_positional_finite_is_refused_with_the_keyword_form():
+  tx = jaxscale.dynamic_loss_scaling(SGD())
+  with pytest.raises(TypeError) as error:
+    tx.update(PARAMS, tx.init(PARAMS), PARAMS, jnp.array(True))
+  assert str(error.value) == (
+      "`dynamic_loss_scaling`'s update takes (grads, state, params) and the flag by name, got 4 "
+      "positional arguments: write `tx.update(grads, state, params, finite=finite)`."
+  )
+
+
 def test_a_static_scaler_closed_over_does_not_warn():
   scaler = jaxscale.init(init_scale=1024.0, dynamic=False)  # a fixed scale never adapts by design
 
