@@ -16,8 +16,9 @@ adds nothing to the computation, compiled or not.
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import contextvars
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -46,20 +47,22 @@ def _tap_bwd(dtype, residual, cotangent):
 
 _tap.defvjp(_tap_fwd, _tap_bwd)
 
-# The names `tap` was called with while `recording` (at trace time), so that
-# `probe_scale` can tell a misspelt tap from one that saw only zeros.
-_recording: list[set[str]] = []
+# The name sets of the `recording` blocks in progress, innermost last: `tap` adds its name to each
+# (at trace time), so that `probe_scale` can tell a misspelt tap from one that saw only zeros. A
+# dynamic scope, as `_scaler._uses_here`: what a block records depends on the calls inside it,
+# never on what ran before, in this thread or another.
+_recording: contextvars.ContextVar[tuple[set[str], ...]] = contextvars.ContextVar("jaxscale_recording", default=())
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[set[str]]:
   """Collects the names of the :func:`tap` calls made inside the block."""
   names: set[str] = set()
-  _recording.append(names)
+  token = _recording.set((*_recording.get(), names))
   try:
     yield names
   finally:
-    _recording.pop()
+    _recording.reset(token)
 
 
 def tap_probes(names: Iterable[str]) -> dict[str, _range.RangeStats]:
@@ -140,7 +143,7 @@ def tap(
     >>> grad_w == jax.grad(loss)(2.0, jnp.ones(4))
     Array(True, dtype=bool, weak_type=True)
   """
-  for names in _recording:
+  for names in _recording.get():
     names.add(name)
   if probes is None:
     return x
