@@ -1,8 +1,4 @@
-"""Shared test configuration."""
-
-import os
-import subprocess
-import sys
+"""Shared test configuration (the hooks for every test, the docstrings' examples included, are in the repository root's conftest.py)."""
 
 import jax
 import pytest
@@ -27,32 +23,3 @@ def x64():
   with enable_x64(True):
     yield
 
-
-# XLA:CPU built for an x86 CPU without F16C (`XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`, a pre-2013 CPU,
-# VirtualBox) cannot link any float16 arithmetic: LLVM lowers it to `__truncsfhf2` /
-# `__extendhfsf2`, which XLA's JIT does not provide on Linux (openxla/xla#6787; the symbols were
-# added for macOS and s390x only). jax 0.10 raises "Failed to materialize symbols" (jax 0.7 aborts
-# the process instead, which nothing here can catch). Float16 is then unavailable to any JAX
-# program on that machine, and a test that needs it is skipped, naming why; every other test runs.
-_NO_FLOAT16 = "Failed to materialize symbols"
-
-
-def _float16_compiles() -> bool:
-  """Whether this process's XLA:CPU can compile float16 arithmetic, probed in a child process."""
-  if jax.default_backend() != "cpu" or "max_isa" not in os.environ.get("XLA_FLAGS", ""):
-    return True
-  probe = "import jax, jax.numpy as jnp; jax.jit(lambda x: x.astype(jnp.float16) * 2)(jnp.ones(2)).block_until_ready()"
-  return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300).returncode == 0
-
-
-FLOAT16_COMPILES = _float16_compiles()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-  outcome = yield
-  error = outcome.excinfo[1] if outcome.excinfo else None
-  if not FLOAT16_COMPILES and error is not None and _NO_FLOAT16 in str(error):
-    outcome.force_exception(pytest.skip.Exception(
-        "XLA:CPU cannot compile float16 arithmetic for this instruction set (no F16C: "
-        "`__truncsfhf2` is missing, openxla/xla#6787)", _use_item_location=True))

@@ -1,0 +1,54 @@
+"""Test configuration for every test, the docstrings' examples and the docs' pages included."""
+
+import doctest
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+
+# XLA:CPU built for an x86 CPU without F16C (`XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`, a pre-2013 CPU,
+# VirtualBox) cannot link any float16 arithmetic: LLVM lowers it to `__truncsfhf2` /
+# `__extendhfsf2`, which XLA's JIT does not provide on Linux (openxla/xla#6787; the symbols were
+# added for macOS and s390x only). jax 0.10 raises "Failed to materialize symbols" (jax 0.7 aborts
+# the process instead, which nothing here can catch). Float16 is then unavailable to any JAX
+# program on that machine, and a test that needs it is skipped, naming why; every other test runs.
+_NO_FLOAT16 = "Failed to materialize symbols"
+
+
+def _float16_compiles() -> bool:
+  """Whether this process's XLA:CPU can compile float16 arithmetic, probed in a child process."""
+  if jax.default_backend() != "cpu" or "max_isa" not in os.environ.get("XLA_FLAGS", ""):
+    return True
+  probe = "import jax, jax.numpy as jnp; jax.jit(lambda x: x.astype(jnp.float16) * 2)(jnp.ones(2)).block_until_ready()"
+  return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300).returncode == 0
+
+
+FLOAT16_COMPILES = _float16_compiles()
+
+
+def _needs_float16(error: BaseException | None) -> bool:
+  if isinstance(error, doctest.UnexpectedException):  # a docstring's example: the error it raised
+    error = error.exc_info[1]
+  # A test's own failure, or that of a child process whose output the message shows.
+  return error is not None and _NO_FLOAT16 in str(error)
+
+
+def _skip_without_float16(outcome):
+  error = outcome.excinfo[1] if outcome.excinfo else None
+  if not FLOAT16_COMPILES and _needs_float16(error):
+    outcome.force_exception(pytest.skip.Exception(
+        "XLA:CPU cannot compile float16 arithmetic for this instruction set (no F16C: "
+        "`__truncsfhf2` is missing, openxla/xla#6787)", _use_item_location=True))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+  _skip_without_float16((yield))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+  _skip_without_float16((yield))
