@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jaxscale
+from _bitwise import assert_bitwise_equal
 from _reference import ReferenceScaler
 
 f32 = np.float32
@@ -439,3 +440,24 @@ def test_value_and_grad_with_has_aux_needs_a_pair():
   # `out[0]` of a vector would have differentiated its first element alone.
   with pytest.raises(TypeError, match=r"pair `\(loss, aux\)`.*shape \(3,\)"):
     jaxscale.value_and_grad(lambda w: w**2, has_aux=True)(jaxscale.init(), jnp.ones(3))
+
+
+def test_packed_fields_read_replace_and_show_by_name():
+  # Fifteen named scalars in three leaves: each reads, replaces and prints under its own name.
+  state = jaxscale.init(init_scale=2.0**10, growth_interval=7, hysteresis=3)
+  assert jaxscale.ScalerState.FIELDS == tuple(state.fields())
+  assert len(set(jaxscale.ScalerState.FIELDS)) == 15
+  changed = state.replace(skipped_steps=5, stalled=True, max_scale=2.0**20)
+  for name, value in changed.fields().items():
+    want = {"skipped_steps": 5, "stalled": True, "max_scale": 2.0**20}.get(name, getattr(state, name))
+    assert value.dtype == getattr(state, name).dtype and value == want, name
+  assert jaxscale.ScalerState.of(**changed.fields()).fields().keys() == changed.fields().keys()
+  assert_bitwise_equal(jaxscale.ScalerState.of(**changed.fields()), changed)
+  assert repr(state).startswith("ScalerState(scale=1024.0, growth_factor=2.0, backoff_factor=0.5, ")
+  assert "growth_interval=7, hysteresis=3, " in repr(state)
+  with pytest.raises(TypeError, match=r"`ScalerState` has no field \['scael'\]; its fields are \['scale', "):
+    state.replace(scael=1.0)
+  with pytest.raises(TypeError, match=r"missing \['enabled'\], unknown \[\]"):
+    jaxscale.ScalerState.of(**{k: v for k, v in state.fields().items() if k != "enabled"})
+  with pytest.raises(AttributeError):
+    state.scale = 1.0  # immutable: `replace` makes a new state
