@@ -52,7 +52,11 @@ OLDEST = ["jax==0.7.1", "jaxlib==0.7.1", "optax==0.2.5", "flax==0.12.0"]
 PYPROJECT = tomllib.loads(pathlib.Path(__file__).with_name("pyproject.toml").read_text())
 
 NEWEST_ONLY = ["tests/test_examples.py", "tests/test_tensorboard_example.py", "tests/test_docs.py",
-               "tests/test_migration.py", "tests/test_bench.py"]
+               "tests/test_migration.py", "tests/test_bench.py",
+               # the examples run beside the library tests of their subject
+               "tests/test_equinox.py::test_the_equinox_example_runs_and_reports_float32s_spread",
+               "tests/test_multidevice.py::test_data_parallel_example_on_8_simulated_devices",
+               "tests/test_multihost.py::test_data_parallel_example_on_two_processes"]
 VERSION_INDEPENDENT = ["tests/test_packaging.py", "tests/test_api.py"]
 
 # The library's tests on another JAX release, and the environment that shortens their repetitions.
@@ -67,7 +71,8 @@ INSTALLED_JAX = {}
 
 
 def run_pytest(session, *, ignore=(), select=()):
-  args = session.posargs or ["-n", "2", "-q", *(f"--ignore={path}" for path in ignore), *select]
+  left_out = [f"--deselect={path}" if "::" in path else f"--ignore={path}" for path in ignore]
+  args = session.posargs or ["-n", "2", "-q", *left_out, *select]
   session.run("python", "-m", "pytest", *args, env=SHORTENED)
 
 
