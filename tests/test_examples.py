@@ -153,7 +153,7 @@ PRECISIONS = {  # spec: (param dtype, compute dtype, loss scaling, how matmuls r
     "mixed_float16": (jnp.float32, jnp.float16, True, ""),
     "mixed_bfloat16": (jnp.float32, jnp.bfloat16, False, ""),
     "mixed_float8": (jnp.float32, jnp.bfloat16, False, ",matmul=float8_e4m3fn"),
-    "params=float16,compute=float16,output=float32": (jnp.float16, jnp.float16, True, ""),
+    # float16 parameters: test_lm_float16_parameters_train_through_float32_master_weights.
 }
 
 
@@ -203,13 +203,17 @@ def test_lm_precision_float32_is_the_flax_dtype_run_bit_for_bit():
   np.testing.assert_allclose(float16.loss, autocast.loss, rtol=1e-3)
 
 
-def test_lm_float16_parameters_train_through_float32_master_weights():
+def test_lm_float16_parameters_train_through_float32_master_weights(capsys):
   lm = import_example("lm")
-  # train_runs without main: no probe, so a number for the start scale.
+  # train_runs without main: no probe (main's probe, table and TensorBoard log are the same for
+  # every policy: test_lm_precision_runs_any_policy_and_logs_it_to_tensorboard), so a number for
+  # the start scale.
   args = lm.parse_args(COMMON_FLAGS + LM_TINY + ["--no-plot", "--precision", "p=f16,c=f16,o=f32", "--init-scale", "65536"])
   train_data, eval_windows = lm.load_data(args)
   initial = nnx.state(lm.build(args, jnp.float16, args.seed, jaxscale.get_policy("p=f16,c=f16,o=f32")), nnx.Param)
   (result,), model, optimizer = lm.train_runs(args, train_data, eval_windows)
+  assert ("p=f16,c=f16,o=f32: params=float16,compute=float16,output=float32 through jaxscale.autocast, loss "
+          "scaling True, float32 master weights (jaxscale.master_weights)") in capsys.readouterr().out
   params = nnx.state(model, nnx.Param)
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float16)}
   state = optimizer.opt_state
