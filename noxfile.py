@@ -1,19 +1,40 @@
 """Test sessions on the newest and the oldest versions of jax, optax and flax that jaxscale supports.
 
-    nox -s tests-newest   # what README's test command installs (the newest releases)
+    nox -s tests-newest   # what README's test command installs (the newest releases): every test
     nox -s tests-oldest   # the lower bounds of pyproject.toml, pinned exactly
-    nox -s tests-3.12 tests-3.13   # the newest JAX the index serves there (newer than 3.11 gets)
+    nox -s tests-3.13 tests-3.12   # the newest JAX the index serves there (newer than 3.11 gets)
 
-A fresh install on Python 3.12 or newer gets a newer JAX than one on 3.11 (0.12 against 0.10 on
-2026-11-25), and jaxscale reads JAX's jaxprs (autocast, precision_report), whose details change
-between releases: tests-3.12 runs the library's tests there (LIBRARY_ONLY below: not the
-examples', docs' and peers', which tests-newest runs), tests-3.13 those of the jaxpr readers.
+What each session runs, and why. README's test command (CI runs it first, on Python 3.11) runs every
+test once. The other sessions exist for the other JAX releases, so they run what depends on JAX:
+the code that reads jaxprs (autocast, precision_report, float8), the scaler's and the wrapper's
+compiled behaviour, low-precision state, master weights, the integrations and the 8-device and
+multi-process runs. They leave out what does not:
+
+- NEWEST_ONLY: the examples, the docs pages, the peers' guides and the benchmark's peers. They test
+  what users run with the newest releases (and the peers' own newest versions), not jaxscale's
+  lower bounds, and they are a third of the suite's time.
+- VERSION_INDEPENDENT: pure-Python checks (the version, the changelog, the extras named when
+  missing, the public names documented).
+- Repetitions whose breadth tests Python logic, not JAX: the optax catalogue runs one
+  transformation per state signature (JAXSCALE_CATALOGUE, tests/test_catalogue.py: what differs
+  between JAX releases is how jaxscale's compiled skip and storage treat each kind of state leaf),
+  and the scaler's state machine 25 examples of 50 steps instead of 100
+  (JAXSCALE_STATE_MACHINE_EXAMPLES: what tests/MUTATION.md runs per mutant).
+
+A fresh install on Python 3.12 or newer gets a newer JAX than one on 3.11 (0.12.0.1 against 0.10.2
+on 2026-11-26), and the same one on 3.12 and 3.13. tests-3.13 runs the jaxpr readers and the
+docstrings; tests-3.12 the rest of the library's tests, and the jaxpr readers too unless tests-3.13
+ran before it in the same `nox` call on the same JAX (so `nox -s tests-3.12` alone runs them all).
 
 The oldest session pins jax, jaxlib, optax and flax to the lower bounds in pyproject.toml (keep the
 two in step: these pins are what proves the bounds), installs the rest of the `test` extra at
-whatever versions pip finds compatible with them, and leaves torch out: the parity tests then run
-against the committed torch fixtures. It runs the library's tests, not the examples' and docs'
-(NEWEST_ONLY below). Arguments after `--` go to pytest.
+whatever versions the resolver finds compatible with them, and leaves torch out: the parity tests
+then run against the committed torch fixtures. Arguments after `--` go to pytest (and replace the
+selection above).
+
+Virtual environments are made by uv where nox finds it (`pip install nox uv`; .ci/run does): it
+installs the `test` extra in seconds where pip takes more than a minute, from the same index, and
+resolves the same versions. Without uv, venv and pip.
 """
 
 import pathlib
@@ -22,35 +43,55 @@ import tomllib
 import nox
 from packaging.version import Version
 
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "uv|venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests-newest", "tests-oldest", "tests-3.12", "tests-3.13"]
+nox.options.sessions = ["tests-newest", "tests-oldest", "tests-3.13", "tests-3.12"]
 
 OLDEST = ["jax==0.7.1", "jaxlib==0.7.1", "optax==0.2.5", "flax==0.12.0"]
 
 PYPROJECT = tomllib.loads(pathlib.Path(__file__).with_name("pyproject.toml").read_text())
 
-
-# What the oldest session leaves to the newest: the examples, the docs pages, the peers' guides and
-# the benchmark's peers. They test what users run with the newest releases (and the peers' own
-# newest versions), not jaxscale's lower bounds, and they are half the suite's time.
 NEWEST_ONLY = ["tests/test_examples.py", "tests/test_tensorboard_example.py", "tests/test_docs.py",
-               "tests/test_migration.py", "tests/test_bench.py"]
+               "tests/test_migration.py", "tests/test_bench.py",
+               # the examples run beside the library tests of their subject
+               "tests/test_equinox.py::test_the_equinox_example_runs_and_reports_float32s_spread",
+               "tests/test_multidevice.py::test_data_parallel_example_on_8_simulated_devices",
+               "tests/test_multihost.py::test_data_parallel_example_on_two_processes"]
+VERSION_INDEPENDENT = ["tests/test_packaging.py", "tests/test_api.py"]
+
+# The library's tests on another JAX release, and the environment that shortens their repetitions.
+LIBRARY = [*NEWEST_ONLY, *VERSION_INDEPENDENT]
+SHORTENED = {"JAXSCALE_CATALOGUE": "one-per-signature", "JAXSCALE_STATE_MACHINE_EXAMPLES": "25"}
+
+# The jaxpr readers (autocast, precision_report, float8) and the docstrings.
+JAXPR_TESTS = ["tests/test_autocast.py", "tests/test_precision_report.py", "tests/test_float8.py", "jaxscale"]
+
+# The JAX each of tests-3.13 and tests-3.12 installed, in this `nox` call.
+INSTALLED_JAX = {}
 
 
-# What tests-3.12 leaves out besides: the multi-process runs, which test jaxscale's collectives
-# (the 8-device suite stays: shard_map's jaxprs changed in jax 0.10).
-LIBRARY_ONLY = [*NEWEST_ONLY, "tests/test_multihost.py"]
+def run_pytest(session, *, ignore=(), select=()):
+  left_out = [f"--deselect={path}" if "::" in path else f"--ignore={path}" for path in ignore]
+  args = session.posargs or ["-n", "2", "-q", *left_out, *select]
+  session.run("python", "-m", "pytest", *args, env=SHORTENED)
 
 
-def pytest_args(session, *, ignore=()):
-  return session.posargs or ["-n", "2", "-q", *(f"--ignore={path}" for path in ignore)]
+def jax_version(session):
+  out = session.run("python", "-c", "import jax; print(jax.__version__)", silent=True)
+  return out.strip() if out else None  # None under --install-only
+
+
+def pip_check(session):
+  if session.venv_backend == "uv":
+    session.run("uv", "pip", "check")
+  else:
+    session.run("python", "-m", "pip", "check")
 
 
 @nox.session(name="tests-newest")
 def tests_newest(session):
   session.install("-e", ".[test]")
-  session.run("python", "-m", "pytest", *pytest_args(session))
+  session.run("python", "-m", "pytest", *(session.posargs or ["-n", "2", "-q"]))
 
 
 @nox.session(name="tests-oldest")
@@ -70,26 +111,25 @@ def tests_oldest(session):
   rest = [dep for dep in test_extra if _name(dep) not in pinned | {"torch"}]
   session.install(*OLDEST, *rest)
   session.install("--no-deps", "-e", ".")
-  session.run("python", "-m", "pip", "check")
-  session.run("python", "-m", "pytest", *pytest_args(session, ignore=NEWEST_ONLY))
-
-
-@nox.session(name="tests-3.12", python="3.12")
-def tests_312(session):
-  session.install("-e", ".[test]")
-  session.run("python", "-m", "pytest", *pytest_args(session, ignore=LIBRARY_ONLY))
-
-
-# What tests-3.13 runs: the code that reads JAX's jaxprs (autocast, precision_report, float8) and
-# the docstrings. The rest of the library's tests ran on the same JAX in tests-3.12; the CI's 20
-# minutes do not hold the whole suite a fourth time.
-JAXPR_TESTS = ["tests/test_autocast.py", "tests/test_precision_report.py", "tests/test_float8.py", "jaxscale"]
+  pip_check(session)
+  run_pytest(session, ignore=LIBRARY)
 
 
 @nox.session(name="tests-3.13", python="3.13")
 def tests_313(session):
   session.install("-e", ".[test]")
-  session.run("python", "-m", "pytest", *(session.posargs or ["-n", "2", "-q", *JAXPR_TESTS]))
+  INSTALLED_JAX["3.13"] = jax_version(session)
+  run_pytest(session, select=JAXPR_TESTS)
+
+
+# Besides: the multi-process runs, which test jaxscale's collectives over gloo (tests-oldest and
+# README's command run them; the 8-device suite stays: shard_map's jaxprs changed in jax 0.10).
+@nox.session(name="tests-3.12", python="3.12")
+def tests_312(session):
+  session.install("-e", ".[test]")
+  version = jax_version(session)
+  jaxpr_tested = version is not None and INSTALLED_JAX.get("3.13") == version
+  run_pytest(session, ignore=[*LIBRARY, "tests/test_multihost.py", *(JAXPR_TESTS if jaxpr_tested else [])])
 
 
 def _name(requirement):

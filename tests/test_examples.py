@@ -129,9 +129,13 @@ def test_lm(tmp_path, capsys):
 
 def test_lm_auto_init_scale_skips_no_start_up_step_where_torchs_start_skips_some(capsys):
   """A loss summed over the batch's 64 tokens (--loss-weight 64): 2**16 overflows, the probe's start does not."""
+  lm = import_example("lm")
   summed = LM_TINY + ["--runs", "2", "--steps", "3", "--eval-every", "3", "--loss-weight", "64", "--no-plot"]
-  torch_start = import_example("lm").main(summed + ["--init-scale", "65536", "--no-progress"])[-1]
-  auto = import_example("lm").main(summed + ["--init-scale", "auto", "--no-progress"])[-1]
+  # torch's start is a number: the training loop alone (main adds the probe's report and the
+  # gradient tables, which test_lm checks).
+  args = lm.parse_args(summed + ["--init-scale", "65536", "--no-progress"])
+  (torch_start,), _, _ = lm.train_runs(args, *lm.load_data(args))
+  auto = lm.main(summed + ["--init-scale", "auto", "--no-progress"])[-1]
   capsys.readouterr()
   # The scale after each step: halving from 2**16, still overflowing.
   assert torch_start.skipped.all() and np.array_equal(torch_start.scale, 2.0 ** np.arange(15, 12, -1))
@@ -149,14 +153,15 @@ PRECISIONS = {  # spec: (param dtype, compute dtype, loss scaling, how matmuls r
     "mixed_float16": (jnp.float32, jnp.float16, True, ""),
     "mixed_bfloat16": (jnp.float32, jnp.bfloat16, False, ""),
     "mixed_float8": (jnp.float32, jnp.bfloat16, False, ",matmul=float8_e4m3fn"),
-    "params=float16,compute=float16,output=float32": (jnp.float16, jnp.float16, True, ""),
+    # float16 parameters: test_lm_float16_parameters_train_through_float32_master_weights.
 }
 
 
 @pytest.mark.parametrize("spec", list(PRECISIONS))
-def test_lm_precision_runs_any_policy(spec, capsys):
+def test_lm_precision_runs_any_policy_and_logs_it_to_tensorboard(spec, tmp_path, capsys):
   param_dtype, compute_dtype, scaling, matmul = PRECISIONS[spec]
-  (result,) = run_example("lm", LM_TINY + ["--no-plot", "--precision", spec])
+  tensorboard = ["--tensorboard", str(tmp_path), "--log-every", "4"]
+  (result,) = run_example("lm", LM_TINY + ["--no-plot", "--precision", spec, *tensorboard])
   out = capsys.readouterr().out
   policy = f"params={jnp.dtype(param_dtype).name},compute={jnp.dtype(compute_dtype).name},output=float32{matmul}"
   assert f"{spec}: {policy} through jaxscale.autocast, loss scaling {scaling}" in out
@@ -173,6 +178,16 @@ def test_lm_precision_runs_any_policy(spec, capsys):
   row = next(line for line in out.splitlines() if line.startswith(f"| {spec} |")).split("|")
   skipped = header.index(" skipped steps ")
   assert row[skipped:skipped + 2] == [f" {result.final_metrics['skipped_steps']:g} ", f" {result.final_scale:g} "]
+  # TensorBoard, in the run's own folder: the loss and every scaler metric every 4 steps and after
+  # the last, and each held-out loss.
+  (logdir,) = tmp_path.iterdir()
+  scalars = read_scalars(str(logdir))
+  assert set(scalars) == {"loss", "heldout/loss", *(f"scaler/{k}" for k in result.final_metrics)}
+  assert [step for step, _ in scalars["loss"]] == [4, 6]
+  assert [v for _, v in scalars["loss"]] == pytest.approx(result.loss[[3, 5]], rel=1e-6)
+  assert [v for _, v in scalars["scaler/scale"]] == list(result.scale[[3, 5]])
+  heldout = [(step, pytest.approx(m["loss"])) for step, m in zip(result.eval_steps, result.eval_metrics)]
+  assert scalars["heldout/loss"] == heldout
 
 
 def test_lm_precision_float32_is_the_flax_dtype_run_bit_for_bit():
@@ -188,13 +203,17 @@ def test_lm_precision_float32_is_the_flax_dtype_run_bit_for_bit():
   np.testing.assert_allclose(float16.loss, autocast.loss, rtol=1e-3)
 
 
-def test_lm_float16_parameters_train_through_float32_master_weights():
+def test_lm_float16_parameters_train_through_float32_master_weights(capsys):
   lm = import_example("lm")
-  # train_runs without main: no probe, so a number for the start scale.
+  # train_runs without main: no probe (main's probe, table and TensorBoard log are the same for
+  # every policy: test_lm_precision_runs_any_policy_and_logs_it_to_tensorboard), so a number for
+  # the start scale.
   args = lm.parse_args(COMMON_FLAGS + LM_TINY + ["--no-plot", "--precision", "p=f16,c=f16,o=f32", "--init-scale", "65536"])
   train_data, eval_windows = lm.load_data(args)
   initial = nnx.state(lm.build(args, jnp.float16, args.seed, jaxscale.get_policy("p=f16,c=f16,o=f32")), nnx.Param)
   (result,), model, optimizer = lm.train_runs(args, train_data, eval_windows)
+  assert ("p=f16,c=f16,o=f32: params=float16,compute=float16,output=float32 through jaxscale.autocast, loss "
+          "scaling True, float32 master weights (jaxscale.master_weights)") in capsys.readouterr().out
   params = nnx.state(model, nnx.Param)
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float16)}
   state = optimizer.opt_state
@@ -212,18 +231,6 @@ def test_lm_float16_parameters_train_through_float32_master_weights():
   # The numbers the loop read are the optimizer's own.
   expected = {k: float(v) for k, v in jaxscale.metrics(state).items()}
   assert result.final_metrics == expected and expected["scale"] == 2.0**16
-
-
-def test_lm_tensorboard_logs_the_loss_and_the_scaler_every_n_steps(tmp_path):
-  argv = ["--no-plot", "--precision", "mixed_float16", "--tensorboard", str(tmp_path), "--log-every", "4"]
-  (result,) = run_example("lm", LM_TINY + argv)
-  scalars = read_scalars(str(tmp_path / "mixed_float16"))
-  assert set(scalars) == {"loss", "heldout/loss", *(f"scaler/{k}" for k in result.final_metrics)}
-  assert [step for step, _ in scalars["loss"]] == [4, 6]  # every 4 steps, and the last
-  assert [v for _, v in scalars["loss"]] == pytest.approx(result.loss[[3, 5]], rel=1e-6)
-  assert [v for _, v in scalars["scaler/scale"]] == list(result.scale[[3, 5]])
-  heldout = [(step, pytest.approx(m["loss"])) for step, m in zip(result.eval_steps, result.eval_metrics)]
-  assert scalars["heldout/loss"] == heldout
 
 
 def test_tensorboard_without_tensorboardx_names_the_extra(tmp_path, monkeypatch):
