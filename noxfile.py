@@ -59,14 +59,14 @@ NEWEST_ONLY = ["tests/test_examples.py", "tests/test_tensorboard_example.py", "t
                "tests/test_multihost.py::test_data_parallel_example_on_two_processes"]
 VERSION_INDEPENDENT = ["tests/test_packaging.py", "tests/test_api.py"]
 
-# The library's tests on another JAX release, and the environment that shortens their repetitions.
-LIBRARY = [*NEWEST_ONLY, *VERSION_INDEPENDENT]
+# What a session on another JAX release leaves out, and the environment that shortens its repetitions.
+LEFT_OUT = [*NEWEST_ONLY, *VERSION_INDEPENDENT]
 SHORTENED = {"JAXSCALE_CATALOGUE": "one-per-signature", "JAXSCALE_STATE_MACHINE_EXAMPLES": "25"}
 
 # The jaxpr readers (autocast, precision_report, float8) and the docstrings.
 JAXPR_TESTS = ["tests/test_autocast.py", "tests/test_precision_report.py", "tests/test_float8.py", "jaxscale"]
 
-# The JAX each of tests-3.13 and tests-3.12 installed, in this `nox` call.
+# The JAX that tests-3.13 installed in this `nox` call, for tests-3.12.
 INSTALLED_JAX = {}
 
 
@@ -112,7 +112,7 @@ def tests_oldest(session):
   session.install(*OLDEST, *rest)
   session.install("--no-deps", "-e", ".")
   pip_check(session)
-  run_pytest(session, ignore=LIBRARY)
+  run_pytest(session, ignore=LEFT_OUT)
 
 
 @nox.session(name="tests-3.13", python="3.13")
@@ -129,7 +129,7 @@ def tests_312(session):
   session.install("-e", ".[test]")
   version = jax_version(session)
   jaxpr_tested = version is not None and INSTALLED_JAX.get("3.13") == version
-  run_pytest(session, ignore=[*LIBRARY, "tests/test_multihost.py", *(JAXPR_TESTS if jaxpr_tested else [])])
+  run_pytest(session, ignore=[*LEFT_OUT, "tests/test_multihost.py", *(JAXPR_TESTS if jaxpr_tested else [])])
 
 
 def _name(requirement):
