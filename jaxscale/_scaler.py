@@ -49,9 +49,6 @@ class _Slot:
   def __init__(self, group: str, index: int):
     self.group, self.index = group, index
 
-  def __set_name__(self, owner: type, name: str) -> None:
-    self.name = name
-
   def __get__(self, state: Any, owner: Any = None) -> jax.Array:
     if state is None:
       return self  # type: ignore[return-value]  # the class attribute, for introspection
