@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -13,6 +14,8 @@ def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
     *,
     axis_name: Any = None,
 ) -> Callable[..., tuple[Any, Any, jax.Array]]:
@@ -40,6 +43,10 @@ def value_and_grad(
     argnums: as in ``jax.grad``: which positional argument(s) to
       differentiate with respect to.
     has_aux: as in ``jax.grad``.
+    holomorphic: as in ``jax.grad``: ``fun`` is holomorphic and its inputs
+      and loss are complex.
+    allow_int: as in ``jax.grad``: integer inputs get ``float0`` gradients,
+      which pass through the unscaling and the check untouched.
     axis_name: inside ``shard_map``/``pmap``, the axis over which every device
       must agree on the finite flag.
 
@@ -54,7 +61,8 @@ def value_and_grad(
     >>> float(loss), float(grads), bool(finite)
     (9.0, 6.0, True)
   """
-  return value_and_grad_with(jax.grad, fun, argnums, has_aux, axis_name)
+  grad = functools.partial(jax.grad, holomorphic=holomorphic, allow_int=allow_int)
+  return value_and_grad_with(grad, fun, argnums, has_aux, axis_name)
 
 
 def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):

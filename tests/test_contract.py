@@ -387,3 +387,26 @@ def test_gradients_of_16_bit_parameters_are_float32_and_keep_what_only_the_scale
   state = tx.init(params)
   _, state = tx.update(grads, state, params)
   np.testing.assert_array_equal(state.master, -(2.0**-30))
+
+
+def test_holomorphic_and_allow_int_reach_jax_grad():
+  # jax.value_and_grad is the reference: the same value and gradients, scaled and unscaled
+  # exactly (a power-of-two scale), and the flag.
+  scaler = jaxscale.init(init_scale=2.0**10)
+  square = lambda z: jnp.sum(z**2)
+  z = jnp.array([1 + 2j, 3 - 1j], jnp.complex64)
+  value, grads, finite = jaxscale.value_and_grad(square, holomorphic=True)(scaler, z)
+  expected_value, expected_grads = jax.value_and_grad(square, holomorphic=True)(z)
+  np.testing.assert_array_equal(value, expected_value)
+  np.testing.assert_array_equal(grads, expected_grads)
+  assert bool(finite)
+  # An integer argument gets a float0 gradient, which the unscaling and the check pass over.
+  weighted = lambda w, n: jnp.sum(w * n)
+  value, (grad_w, grad_n), finite = jaxscale.value_and_grad(weighted, argnums=(0, 1), allow_int=True)(
+      scaler, jnp.ones(2), jnp.arange(2)
+  )
+  _, (expected_w, expected_n) = jax.value_and_grad(weighted, argnums=(0, 1), allow_int=True)(jnp.ones(2), jnp.arange(2))
+  np.testing.assert_array_equal(grad_w, expected_w)
+  assert grad_n.dtype == expected_n.dtype == jax.dtypes.float0 and bool(finite)
+  with pytest.raises(TypeError, match="allow_int"):  # as jax.grad says it, without the flag
+    jaxscale.value_and_grad(weighted, argnums=(0, 1))(scaler, jnp.ones(2), jnp.arange(2))
