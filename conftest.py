@@ -21,6 +21,7 @@ _CACHE_OWNER = "JAXSCALE_TEST_CACHE_OWNER"
 
 
 def pytest_configure(config):
+  _refuse_a_run_that_would_abort(config)
   if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxscale-tests-jax-cache-")
     os.environ[_CACHE_OWNER] = str(os.getpid())
@@ -44,21 +45,37 @@ def pytest_unconfigure(config):
 # XLA:CPU built for an x86 CPU without F16C (`XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`, a pre-2013 CPU,
 # VirtualBox) cannot link any float16 arithmetic: LLVM lowers it to `__truncsfhf2` /
 # `__extendhfsf2`, which XLA's JIT does not provide on Linux (openxla/xla#6787; the symbols were
-# added for macOS and s390x only). jax 0.10 raises "Failed to materialize symbols" (jax 0.7 aborts
-# the process instead, which nothing here can catch). Float16 is then unavailable to any JAX
-# program on that machine, and a test that needs it is skipped, naming why; every other test runs.
+# added for macOS and s390x only). jax 0.10 raises "Failed to materialize symbols": float16 is then
+# unavailable to any JAX program on that machine, and a test that needs it is skipped, naming why;
+# every other test runs. jax 0.7 aborts the process instead ("LLVM ERROR: Program used external
+# function '__truncsfhf2'"), which no hook can turn into a skip: the run then stops before its
+# first test and says so.
 _NO_FLOAT16 = "Failed to materialize symbols"
 
 
-def _float16_compiles() -> bool:
-  """Whether this process's XLA:CPU can compile float16 arithmetic, probed in a child process."""
+def _float16_probe() -> int:
+  """The exit status of a child process of this Python and JAX that compiles float16 arithmetic:
+  0 where it compiles, negative where XLA aborted the child."""
   if jax.default_backend() != "cpu" or "max_isa" not in os.environ.get("XLA_FLAGS", ""):
-    return True
+    return 0
   probe = "import jax, jax.numpy as jnp; jax.jit(lambda x: x.astype(jnp.float16) * 2)(jnp.ones(2)).block_until_ready()"
-  return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300).returncode == 0
+  return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300).returncode
 
 
-FLOAT16_COMPILES = _float16_compiles()
+_PROBED = _float16_probe()
+FLOAT16_COMPILES = _PROBED == 0
+
+
+def _refuse_a_run_that_would_abort(config):
+  if _PROBED < 0 and not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+    pytest.exit(
+        f"jax {jax.__version__}'s XLA:CPU aborts the process on float16 arithmetic with "
+        f"XLA_FLAGS={os.environ['XLA_FLAGS']!r} (no F16C: `__truncsfhf2` is missing, "
+        "openxla/xla#6787), so most tests would kill the run. jax 0.10 and newer raise an error "
+        "instead, and the suite then skips the tests that need float16: run it there, or on a CPU "
+        "with F16C.",
+        returncode=pytest.ExitCode.USAGE_ERROR,
+    )
 
 
 def _needs_float16(error: BaseException | None) -> bool:
