@@ -1,6 +1,7 @@
 """The update rule, scaling and unscaling, against a plain-Python model of the rule."""
 
 import math
+import re
 
 import hypothesis
 import hypothesis.strategies as st
@@ -464,3 +465,30 @@ def test_packed_fields_read_replace_and_show_by_name():
     jaxscale.ScalerState.of(**{k: v for k, v in state.fields().items() if k != "enabled"})
   with pytest.raises(AttributeError):
     state.scale = 1.0  # immutable: `replace` makes a new state
+
+
+def test_fields_given_as_numbers_of_another_kind_are_stored_in_their_own_dtype():
+  # 1 for a flag, 3.0 for a count, 8 for the scale: each group keeps float32, int32 and bool.
+  ones = jaxscale.ScalerState.of(**{name: 1 for name in jaxscale.ScalerState.FIELDS})
+  assert (ones.floats.dtype, ones.ints.dtype, ones.flags.dtype) == (np.float32, np.int32, np.bool_)
+  assert ones.fields() == {name: 1 for name in jaxscale.ScalerState.FIELDS}
+  changed = jaxscale.init().replace(stalled=1, skipped_steps=3.0, scale=8)
+  assert (changed.floats.dtype, changed.ints.dtype, changed.flags.dtype) == (np.float32, np.int32, np.bool_)
+  assert changed.stalled.dtype == np.bool_ and changed.stalled
+  assert changed.skipped_steps.dtype == np.int32 and changed.skipped_steps == 3
+  assert changed.scale.dtype == np.float32 and changed.scale == 8.0
+
+
+def test_replacing_fields_of_one_group_leaves_the_other_groups_as_they_were():
+  state = jaxscale.init()
+  changed = state.replace(scale=8.0, min_scale=2.0)
+  assert changed.ints is state.ints and changed.flags is state.flags
+  assert changed.scale == 8.0 and changed.min_scale == 2.0
+
+
+def test_a_state_inside_a_trace_shows_its_fields_as_tracers():
+  shown = []
+  jax.jit(lambda state: shown.append(repr(state)) or state.scale)(jaxscale.init())
+  assert re.match(r"ScalerState\(scale=\S*float32\[\]", shown[0]), shown[0]
+  assert re.search(r", skipped_steps=\S*int32\[\]", shown[0]), shown[0]
+  assert re.search(r", enabled=\S*bool\[\]\S*\)$", shown[0]), shown[0]
