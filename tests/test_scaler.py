@@ -486,6 +486,16 @@ def test_replacing_fields_of_one_group_leaves_the_other_groups_as_they_were():
   assert changed.scale == 8.0 and changed.min_scale == 2.0
 
 
+def test_a_batch_of_scalers_shows_each_field_as_a_plain_list():
+  one, two = jaxscale.init(init_scale=2.0**10, backoff_factor=0.25), jaxscale.init(init_scale=2.0**11)
+  batch = jax.tree.map(lambda *leaves: jnp.stack(leaves), one, two)
+  assert repr(batch) == (
+      "ScalerState(scale=[1024.0, 2048.0], growth_factor=[2.0, 2.0], backoff_factor=[0.25, 0.5], "
+      "min_scale=[0.0, 0.0], max_scale=[inf, inf], growth_tracker=[0, 0], hysteresis_tracker=[1, 1], "
+      "skipped_steps=[0, 0], growth_interval=[2000, 2000], hysteresis=[1, 1], last_skipped=[False, False], "
+      "stalled=[False, False], dynamic=[True, True], raise_on_stall=[True, True], enabled=[True, True])")
+
+
 def test_a_state_inside_a_trace_shows_its_fields_as_tracers():
   shown = []
   jax.jit(lambda state: shown.append(repr(state)) or state.scale)(jaxscale.init())
