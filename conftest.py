@@ -13,10 +13,10 @@ import pytest
 
 # One compilation cache for the whole run: its xdist workers and the child processes they start
 # (the examples, the 8-device suite, the multi-process runs) share it. Many tests compile the same
-# program (the same model, step or catalogue entry, built from fresh closures), and a program found in
-# the cache is loaded instead of compiled again: a sixth of the suite's CPU time (24 -> 20 min). The
-# directory is new for each run and removed at its end, so nothing carries over between runs; a
-# cache the caller set up (JAX_COMPILATION_CACHE_DIR) is used as it is.
+# program (the same model, step or catalogue entry, built from fresh closures), and a program
+# found in the cache is loaded instead of compiled again: a sixth of the suite's CPU time (24 ->
+# 20 min). The directory is new for each run and removed at its end, so nothing carries over
+# between runs; a cache the caller set up (JAX_COMPILATION_CACHE_DIR) is used as it is.
 _CACHE_OWNER = "JAXSCALE_TEST_CACHE_OWNER"
 
 
