@@ -45,11 +45,11 @@ def pytest_unconfigure(config):
 # XLA:CPU built for an x86 CPU without F16C (`XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`, a pre-2013 CPU,
 # VirtualBox) cannot link any float16 arithmetic: LLVM lowers it to `__truncsfhf2` /
 # `__extendhfsf2`, which XLA's JIT does not provide on Linux (openxla/xla#6787; the symbols were
-# added for macOS and s390x only). jax 0.10.2 raises "Failed to materialize symbols": float16 is then
-# unavailable to any JAX program on that machine, and a test that needs it is skipped, naming why;
-# every other test runs. jax 0.7.1 aborts the process instead ("LLVM ERROR: Program used external
-# function '__truncsfhf2'"), which no hook can turn into a skip: the run then stops before its
-# first test and says so.
+# added for macOS and s390x only). jax 0.10.2 raises "Failed to materialize symbols": float16 is
+# then unavailable to any JAX program on that machine, and a test that needs it is skipped, naming
+# why; every other test runs. jax 0.7.1 aborts the process instead ("LLVM ERROR: Program used
+# external function '__truncsfhf2'"), which no hook can turn into a skip: the run then stops
+# before its first test and says so.
 _NO_FLOAT16 = "Failed to materialize symbols"
 
 
