@@ -641,11 +641,11 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
     >>> jaxscale.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
     Array(False, dtype=bool)
   """
-  # `x * 0` is 0 for finite x and NaN for inf or NaN, and a sum propagates
-  # NaN: one reduction per leaf, fused with the product. (XLA:CPU writes the
-  # broadcast scalars out, once per distinct leaf shape: benchmarks/NOTES.md,
-  # #14. `isfinite(x).all()` writes a bool array of every leaf; `max` drops
-  # NaNs on CPU.)
+  # `x - x` is 0 for finite x and NaN for inf or NaN, and a sum propagates
+  # NaN: one reduction per leaf, fused with the difference, which reads
+  # nothing but `x` (`x * 0` made XLA:CPU write a broadcast zero out at each
+  # leaf shape: benchmarks/NOTES.md, #14 and #25). `isfinite(x).all()` writes
+  # a bool array of every leaf; `max` drops NaNs on CPU.
   total = sum(
       (_nan_unless_finite(jnp.asarray(g)) for g in jax.tree.leaves(tree) if _is_floating(g)),
       start=jnp.zeros((), jnp.float32),
@@ -664,12 +664,13 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
 def _nan_unless_finite(g: jax.Array) -> jax.Array:
   """A float32 scalar: 0 if every element of ``g`` is finite, else NaN.
 
-  ``g`` is a JAX array (a NumPy one would compute ``inf * 0`` eagerly, with a
-  warning). A complex leaf is finite iff both parts are: ``inf * 0`` is NaN in
+  ``g`` is a JAX array (a NumPy one would compute ``inf - inf`` eagerly, with a
+  warning). A complex leaf is finite iff both parts are: ``inf - inf`` is NaN in
   either part, and both parts are summed rather than cast (the cast would
-  drop the imaginary part, with a warning).
+  drop the imaginary part, with a warning). The sum cannot overflow: every
+  term is 0 or NaN.
   """
-  total = jnp.sum(g * 0)
+  total = jnp.sum(g - g)
   if jnp.iscomplexobj(total):
     total = jnp.real(total) + jnp.imag(total)
   return total.astype(jnp.float32)

@@ -357,10 +357,24 @@ def test_every_state_field_has_its_documented_dtype():
 
 
 def test_the_finiteness_check_cannot_overflow_on_finite_values():
-  """A sum of the values themselves would overflow: the check sums `g * 0`."""
+  """A sum of the values themselves would overflow: the check sums `g - g`."""
   assert bool(jaxscale.all_finite(jnp.array([3e38, 3e38])))
   assert bool(jaxscale.all_finite(jnp.array([60000.0, 60000.0], jnp.float16)))
   assert not bool(jaxscale.all_finite(jnp.array([3e38, jnp.inf])))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "complex64"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan, None], ids=["inf", "-inf", "nan", "finite"])
+def test_the_check_is_numpys_isfinite_eagerly_and_compiled(dtype, bad):
+  """`x - x` must stay a subtraction in the compiled check: a compiler that folded it to 0 (as
+  fast-math does) would pass every inf. The reference is NumPy's own `isfinite`."""
+  values = np.linspace(-60000, 60000, 37).astype(np.float32).astype(dtype)
+  if bad is not None:
+    values[17] = bad
+  tree = {"w": jnp.asarray(values).reshape(37, 1), "b": jnp.ones(3, dtype)}
+  want = bool(np.isfinite(values).all())
+  assert bool(jaxscale.all_finite(tree)) is want
+  assert bool(jax.jit(jaxscale.all_finite)(tree)) is want
 
 
 def test_unscaling_stays_in_float32_for_float16_gradients_under_x64(x64):
