@@ -49,7 +49,7 @@ def raw_key(key, who: str) -> jax.Array:
   return key
 
 
-def leaf_key(key: jax.Array, stream: int, index: int) -> tuple[jax.Array, jax.Array]:
+def leaf_key(key: jax.Array, stream: int, index: int | jax.Array) -> tuple[jax.Array, jax.Array]:
   """The seeds (two ``uint32`` scalars) of leaf ``index`` of ``stream``, from a wrapper's per-step raw key.
 
   Hashed with `_lowbias32` rather than `jax.random.fold_in`: each threefry call compiles to a
@@ -59,7 +59,8 @@ def leaf_key(key: jax.Array, stream: int, index: int) -> tuple[jax.Array, jax.Ar
   """
   key = key.astype(jnp.uint32)
   a = _lowbias32(key[0] ^ jnp.uint32(stream))
-  b = _lowbias32(key[1] ^ jnp.uint32((index * 0x9E3779B9 + 0x7F4A7C15) & 0xFFFFFFFF))
+  # In uint32, so that the index may be traced; the products wrap as `& 0xFFFFFFFF` would.
+  b = _lowbias32(key[1] ^ (jnp.asarray(index, jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(0x7F4A7C15)))
   return _lowbias32(a + b), _lowbias32(a ^ _lowbias32(b + jnp.uint32(1)))
 
 

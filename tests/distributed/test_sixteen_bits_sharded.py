@@ -59,3 +59,14 @@ def test_sharded_step_is_the_single_device_step(method, spec):
   assert bits(got_params) == want_params
   assert bits(got_state) == want_state
   assert got_params["w"].sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+
+
+def test_an_eager_init_keeps_each_stored_leaf_where_its_parameter_is():
+  """Each leaf is rounded by itself: one program for all of them would put them on one set of
+  devices (or refuse parameters committed to different ones)."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  params = {"w": jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("x", None))),
+            "b": jax.device_put(jnp.zeros(32), jax.devices()[3])}
+  mu = jaxscale.low_precision_state(optax.adam(1e-3)).init(params).inner_state[0].mu
+  assert mu["w"].values.sharding.is_equivalent_to(params["w"].sharding, 2)
+  assert mu["b"].values.devices() == {jax.devices()[3]}
