@@ -245,10 +245,9 @@ def _stored(x, key, index):
   """State leaf ``index``'s float32 value ``x`` rounded stochastically to bfloat16.
 
   Compiled once per leaf shape, the index an argument: ``init``, called eagerly, would otherwise
-  round operation by operation, compiling each operation for each leaf shape (a first ``init`` of
-  five small leaves took 2.0 s that way, 0.35 s this way), and one program for all the leaves
-  would move each leaf to the devices of the others. Under the caller's ``jit`` it is inlined, the
-  index a constant again.
+  round operation by operation, compiling each operation for each leaf shape (about 6x slower,
+  benchmarks/NOTES.md #25), and one program for all the leaves would move each leaf to the devices
+  of the others. Under the caller's ``jit`` it is inlined, the index a constant again.
   """
   return _rounding.to_bfloat16(x, _rounding.leaf_key(key, _rounding.LOW_PRECISION_STATE, index))
 
