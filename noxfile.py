@@ -132,6 +132,18 @@ def tests_312(session):
   run_pytest(session, ignore=[*LEFT_OUT, "tests/test_multihost.py", *(JAXPR_TESTS if jaxpr_tested else [])])
 
 
+@nox.session(name="gpu-program")
+def gpu_program(session):
+  """The H100 programs of the headline steps against their budgets (benchmarks/test_gpu_program.py).
+
+  Its own environment: with the CUDA plugin installed, a CPU-only JAX warns when it starts.
+  """
+  session.install("-e", ".[gpu-program]")
+  env = {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "CUDA_VISIBLE_DEVICES": "-1"}
+  session.run("python", "-m", "pytest", "-q", "-p", "no:xdist", *(session.posargs or ["benchmarks/test_gpu_program.py"]),
+              env=env)
+
+
 def _name(requirement):
   for separator in "<>=!~[; ":
     requirement = requirement.split(separator)[0]

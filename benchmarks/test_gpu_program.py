@@ -1,0 +1,67 @@
+"""The H100 programs of the headline steps, held to their budgets (`nox -s gpu-program`).
+
+Each test compiles steps for an H100 without a GPU (benchmarks/gpu_program.py) and checks what the
+program does: kernels launched, HBM bytes, peak memory, copies and FP8 GEMMs, each against the plain
+step's program of the same table. A change that adds a kernel per leaf, a pass over the gradients or
+a copy of the optimizer state fails here on any machine, with the numbers in the message.
+"""
+
+import pytest
+
+gpu_program = pytest.importorskip("gpu_program", reason="run from benchmarks/ (nox -s gpu-program)")
+
+try:
+  gpu_program.h100()
+except RuntimeError as e:
+  pytest.skip(str(e), allow_module_level=True)
+
+
+def measured(table, title, rows):
+  """The programs of `rows` of the table's configuration `title`, the baseline (first row) first."""
+  builders = gpu_program.TABLES[table]()[title]
+  base = next(iter(builders))
+  return gpu_program.measure_table({name: builders[name] for name in (base, *rows)})
+
+
+def check(program, base, **budget):
+  """Each budget: `kernels` (at most base + n), `hbm`, `peak` (ratios at most), `copies`, `fp8_gemms` (exact)."""
+  ratios = program.ratios(base)
+  failures = []
+  if "kernels" in budget and program.kernels > base.kernels + budget["kernels"]:
+    failures.append(f"{program.kernels} kernels > {base.kernels} + {budget['kernels']}")
+  for key in ("hbm", "peak", "estimate"):
+    if key in budget and ratios[key] > budget[key]:
+      failures.append(f"{key} {ratios[key]:.3f}x > {budget[key]}x")
+  if "copies" in budget and program.copies > budget["copies"]:
+    failures.append(f"{program.copies} copies > {budget['copies']}")
+  if "fp8_gemms" in budget and program.fp8_gemms != budget["fp8_gemms"]:
+    failures.append(f"{program.fp8_gemms} FP8 GEMMs != {budget['fp8_gemms']}")
+  assert not failures, f"{'; '.join(failures)} (program {program}, baseline {base})"
+
+
+# The scaler's fixed cost on top of the plain step: its own update (a few scalar kernels), the
+# unscale's reciprocal and the copies of its three packed arrays (3), and the finite check: one
+# or two reduction kernels per 48 leaves of one size. A kernel per leaf (48 more) is far over.
+# Bytes: one more read of the gradients, 8 passes for Adam's 7 (1.143x), and nothing else.
+SCALER_KERNELS = 12
+
+
+@pytest.mark.parametrize("title", ["Adam step, 32M params / 48 leaves", "float32 MLP step (6 x 1024, batch 128), Adam"])
+def test_the_scaler_step_adds_a_fixed_few_kernels_and_one_read_of_the_gradients(title):
+  programs = measured("scaler", title, ["jaxscale"])
+  plain, ours = programs.values()
+  check(ours, plain, kernels=SCALER_KERNELS, hbm=1.15, peak=1.18, copies=plain.copies + 3)
+
+
+def test_a_thousand_leaves_cost_a_reduction_per_48_leaves_not_per_leaf():
+  programs = measured("scaler", "Adam step, 1M params / 1000 leaves", ["jaxscale"])
+  plain, ours = programs.values()
+  check(ours, plain, kernels=2 * 1000 // 48 + 2 + SCALER_KERNELS, hbm=1.16, peak=1.01)
+
+
+def test_the_scaler_step_has_fewer_kernels_than_every_peer():
+  programs = measured("scaler", "Adam step, 32M params / 48 leaves", ["jaxscale", "jmp+apply_if_finite",
+                                                                      "flax DynamicScale"])
+  ours = programs.pop("jaxscale")
+  peers = {name: p.kernels for name, p in programs.items() if name != "plain"}
+  assert ours.kernels < min(peers.values()), f"jaxscale {ours.kernels} kernels, peers {peers}"
