@@ -28,12 +28,12 @@ PARAMS = {"w": jnp.zeros((4, 1))}
 JIT = {"jit": jax.jit, "eager": lambda f: f}
 # A start scale at which this model's float16 gradients never overflow: the only skipped steps are
 # the poisoned ones, which the reference leaves out. (At the default 2**16 the first steps overflow
-# and back off, as in the README's quick start.)
+# and back off, as in docs/troubleshooting.md's first example.)
 OPTIONS = dict(init_scale=2.0**8)
 
 
 def loss_fn(params, x, y):
-  """float16 compute, float32 parameters and loss: the README's model."""
+  """float16 compute, float32 parameters and loss: docs/troubleshooting.md's model."""
   pred = x.astype(jnp.float16) @ params["w"].astype(jnp.float16)
   return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
 
