@@ -18,8 +18,8 @@ The rule (torch.amp.GradScaler's, plus bounds, hysteresis and a static mode)::
 With the defaults (``hysteresis=1``, ``min_scale=0``, ``max_scale=inf``) this is
 exactly torch's ``_amp_update_scale_``, except that the scale never backs off
 below 2**-126, float32's smallest normal number (torch's goes on to 2**-127
-after 143 overflows in a row from 2**16, which XLA flushes to 0: every later
-step would then be skipped). Hysteresis follows Megatron-LM's
+after 143 overflows in a row from 2**16, a subnormal that XLA flushes to 0:
+every later step would then be skipped). Hysteresis follows Megatron-LM's
 ``DynamicGradScaler``: the tolerance is spent by non-finite steps and refilled
 only when the scale grows (DeepSpeed refills it on every finite step instead).
 """
@@ -199,8 +199,8 @@ def init(
     min_scale: the scale never backs off below this. May be below 1. Whatever
       it is, the scale never backs off below 2**-126, float32's smallest
       normal number: below it XLA flushes the scale to 0 and no step could
-      ever be taken again. (torch's does, after 126 or more back-offs in a
-      row from its default scale.) A scale at this floor counts as
+      ever be taken again. (torch's does: from its default 2**16, it reaches
+      2**-127 after 143 back-offs in a row.) A scale at this floor counts as
       ``min_scale`` for ``on_stall``.
     max_scale: the scale never grows above this.
     dynamic: False keeps the scale fixed at ``init_scale`` (a static loss
