@@ -64,7 +64,7 @@ class _Slot:
 # The scaler's fifteen numbers, in three groups by dtype. Each group is one array, so a jitted step
 # passes three arrays in and out for the scaler instead of fifteen: on a GPU, where the host's
 # dispatch of each array is most of a small step's time, fifteen cost 15% of an 8M-parameter Adam
-# step on an H100 (benchmarks/NOTES.md, #24).
+# step on an H100 (benchmarks/NOTES.md).
 _FLOATS = ("scale", "growth_factor", "backoff_factor", "min_scale", "max_scale")
 _INTS = ("growth_tracker", "hysteresis_tracker", "skipped_steps", "growth_interval", "hysteresis")
 _FLAGS = ("last_skipped", "stalled", "dynamic", "raise_on_stall", "enabled")
@@ -575,7 +575,7 @@ def unscale_and_check_unchecked(state: ScalerState, grads: Any, *, axis_name: An
   # The flag is the check of the unscaled gradients, the very expression the Optax wrapper
   # computes on the gradients it is given: when they arrive unchanged, XLA merges the two
   # reductions (common subexpressions), and the step reads the gradients once for both
-  # (benchmarks/NOTES.md #21). inf and NaN survive exact unscaling, and a scale below 1, the only
+  # (benchmarks/NOTES.md). inf and NaN survive exact unscaling, and a scale below 1, the only
   # one that can overflow a finite gradient, is caught here as it should be.
   return unscaled, all_finite(unscaled, axis_name=axis_name) | ~state.enabled
 
@@ -644,7 +644,7 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
   # `x - x` is 0 for finite x and NaN for inf or NaN, and a sum propagates
   # NaN: one reduction per leaf, fused with the difference, which reads
   # nothing but `x` (`x * 0` made XLA:CPU write a broadcast zero out at each
-  # leaf shape: benchmarks/NOTES.md, #14 and #25). `isfinite(x).all()` writes
+  # leaf shape: benchmarks/NOTES.md). `isfinite(x).all()` writes
   # a bool array of every leaf; `max` drops NaNs on CPU.
   total = sum(
       (_nan_unless_finite(jnp.asarray(g)) for g in jax.tree.leaves(tree) if _is_floating(g)),

@@ -1,6 +1,6 @@
 """A user holds true gradients: every composition trains like the reference, every mistake says so.
 
-The problem of issue 26: a 4 -> 1 float16 linear regression trained for 50 steps, as a new user
+The problem: a 4 -> 1 float16 linear regression trained for 50 steps, as a new user
 writes the step. The reference is independent of jaxscale: the same optax transformation, unwrapped,
 on the float32 gradients of `jax.grad` of the float32 loss. float16 compute rounds each product and
 the prediction to 11 bits (relative error <= 2**-11 per element, about 5e-4); the regression
