@@ -27,7 +27,8 @@ SIZES = (16, 64, 64, 1)
 
 def init_mlp(key, sizes=SIZES):
   keys = jax.random.split(key, len(sizes) - 1)
-  return [{"w": jax.random.normal(k, (m, n)) / jnp.sqrt(m), "b": jnp.zeros(n)} for k, m, n in zip(keys, sizes, sizes[1:])]
+  return [{"w": jax.random.normal(k, (m, n)) / jnp.sqrt(m), "b": jnp.zeros(n)}
+          for k, m, n in zip(keys, sizes, sizes[1:])]
 
 
 def mlp(params, x, dtype):
