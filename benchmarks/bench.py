@@ -443,7 +443,7 @@ def measure(config, builders, reps, *, round_s=0.02):
   last one's outputs, and one wait at the end: what a training loop does. One
   call waited on alone would add the host's dispatch of every array to the
   device's time, which on a GPU is most of a millisecond and grows with the
-  number of arrays, not with the work (benchmarks/NOTES.md, #24). ``steps`` is
+  number of arrays, not with the work (benchmarks/NOTES.md). ``steps`` is
   the same for every variant of a configuration: enough plain steps to fill
   ``round_s`` seconds (1 for a step that already takes that long).
   """

@@ -1,4 +1,4 @@
-"""Sixteen bits end to end: the figures of docs/sixteen_bits.md and benchmarks/NOTES.md #20.
+"""Sixteen bits end to end: the figures of docs/sixteen_bits.md and benchmarks/NOTES.md.
 
     python benchmarks/sixteen_bits.py --bytes         # persistent bytes per parameter (instant)
     python benchmarks/sixteen_bits.py --memory        # compiled peak memory and compile time: Adam at 24M and 100M, examples/lm.py's step
@@ -257,7 +257,7 @@ def _lm_modules():
 # --- 16-bit representations of Adam's state, on the tensors that broke float16 -------------------
 
 def _per_tensor_float16(x, u):
-  """The float16 form before issue 28: one power-of-two scale per tensor, largest element below
+  """The float16 form that was refused: one power-of-two scale per tensor, largest element below
   2**15, stochastic rounding. Its scale flushes to 0 below float32's normals."""
   biggest = jnp.max(jnp.abs(x))
   _, e = jnp.frexp(biggest)

@@ -120,7 +120,7 @@ def unscale(acc: jax.Array, k: jax.Array) -> jax.Array:
   float32's range is inf, one below its normal range 0 (as XLA flushes subnormals); zeros, inf
   and NaN pass through. Not ``acc / 2**ka / 2**kb``: XLA rewrites that as ``acc / (2**ka * 2**kb)``, whose
   divisor overflows to inf (and the result to 0) once ``ka + kb`` passes 127, and not ``2**-k`` as
-  one factor, which can be a subnormal that XLA flushes to zero (DESIGN.md, "Numerics").
+  one factor, which can be a subnormal that XLA flushes to zero.
   """
   mantissa, exponent = jnp.frexp(acc)  # acc = (2 * mantissa) * 2**(exponent - 1)
   e = exponent - 1 - k

@@ -10,7 +10,7 @@ hyperparameter it hands back as it received it) as bfloat16, and runs
     updates, state32 = inner.update(grads, state32, params)
     values = stochastic_round(state32, bfloat16)      # unbiased, from a key
 
-Why each piece (benchmarks/NOTES.md #20 and #28 have the measurements):
+Why each piece (benchmarks/NOTES.md has the measurements):
 
 - Stochastic rounding: Adam's second moment moves by ``1 - b2`` = 0.1% a step,
   below bfloat16's resolution (0.4%): rounded to nearest, a moment that should
@@ -22,7 +22,7 @@ Why each piece (benchmarks/NOTES.md #20 and #28 have the measurements):
   tensor, Adam's second moment of a gradient of 1e-6 beside one of 10 (1e-14
   apart) is stored as 0, and that element steps ``1 / eps`` too far; and the
   scale of a tensor decaying below 1e-33 flushed to 0 (``x / 0``: NaN).
-  Per-block scales move the boundary, not remove it (NOTES.md #28), so
+  Per-block scales move the boundary (measured), not remove it, so
   float16 is refused.
 - Scalars (counts, hyperparameters, the scaler's state), constants that
   ``inner.update`` returns as it received them (``optax.contrib.muon``'s
@@ -143,7 +143,7 @@ def low_precision_state(
     raise ValueError(
         "`low_precision_state` got dtype=float16, whose 5-bit exponent spans 40 binades: within one "
         "tensor, Adam's second moment of small gradients beside large ones falls below it and is "
-        "stored as 0, and that element steps 1/eps too far (benchmarks/NOTES.md #28). Use "
+        "stored as 0, and that element steps 1/eps too far. Use "
         "jnp.bfloat16 (the default): float32's range in 16 bits, stored and read on any device, "
         "float16 ones included."
     )
@@ -246,7 +246,7 @@ def _stored(x, key, index):
 
   Compiled once per leaf shape, the index an argument: ``init``, called eagerly, would otherwise
   round operation by operation, compiling each operation for each leaf shape (about 6x slower,
-  benchmarks/NOTES.md #25), and one program for all the leaves would move each leaf to the devices
+  benchmarks/NOTES.md), and one program for all the leaves would move each leaf to the devices
   of the others. Under the caller's ``jit`` it is inlined, the index a constant again.
   """
   return _rounding.to_bfloat16(x, _rounding.leaf_key(key, _rounding.LOW_PRECISION_STATE, index))

@@ -29,7 +29,7 @@ apex's practice); Zamirai et al. 2020 (arXiv 2010.06192: Kahan summation and
 stochastic rounding recover float32 quality with 16-bit weights alone). The
 compensation here is stored in units of the parameter's ulp, not as a raw
 16-bit value: raw, a float16 compensation of a weight below 0.125 is subnormal
-and keeps only a few bits (benchmarks/NOTES.md #20).
+and keeps only a few bits (measured in benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def _nonzero_bits(x: jax.Array) -> jax.Array:
 
   Tested on the whole word (``magnitude_bits(x) != 0``), LLVM turns the test
   back into a float comparison, which XLA:CPU's flush-to-zero mode answers
-  with "zero" for every float32 subnormal (issue #18, case 6). Its two halves,
+  with "zero" for every float32 subnormal input. Its two halves,
   tested apart, are integers to the end.
   """
   if x.dtype.itemsize < 4:

@@ -54,7 +54,7 @@ def leaf_key(key: jax.Array, stream: int, index: int | jax.Array) -> tuple[jax.A
 
   Hashed with `_lowbias32` rather than `jax.random.fold_in`: each threefry call compiles to a
   loop of its own, three per leaf once, and they made the compile time of a 16-bit Adam step
-  several times float32's (benchmarks/NOTES.md #28). Rounding noise needs well-mixed bits, not a
+  several times float32's (benchmarks/NOTES.md). Rounding noise needs well-mixed bits, not a
   cryptographic stream.
   """
   key = key.astype(jnp.uint32)
@@ -70,7 +70,7 @@ def random_bits(seeds: tuple[jax.Array, jax.Array], shape) -> jax.Array:
   A counter-based hash (Wellons' ``lowbias32``, applied twice, seeded from the key) rather than
   ``jax.random.bits``: it is elementwise, so it fuses into the rounding that reads it, where
   threefry's intermediate arrays made ``low_precision_state``'s compiled Adam step carry 42 bytes
-  per parameter of temporaries (benchmarks/NOTES.md #20). Computed from the global index, so a
+  per parameter of temporaries (benchmarks/NOTES.md). Computed from the global index, so a
   sharded or replicated array draws the same numbers on every device.
   """
   index = jax.lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)

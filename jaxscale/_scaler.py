@@ -18,8 +18,8 @@ The rule (torch.amp.GradScaler's, plus bounds, hysteresis and a static mode)::
 With the defaults (``hysteresis=1``, ``min_scale=0``, ``max_scale=inf``) this is
 exactly torch's ``_amp_update_scale_``, except that the scale never backs off
 below 2**-126, float32's smallest normal number (torch's goes on to 2**-127
-after 143 overflows in a row from 2**16, which XLA flushes to 0: every later
-step would then be skipped). Hysteresis follows Megatron-LM's
+after 143 overflows in a row from 2**16, a subnormal that XLA flushes to 0:
+every later step would then be skipped). Hysteresis follows Megatron-LM's
 ``DynamicGradScaler``: the tolerance is spent by non-finite steps and refilled
 only when the scale grows (DeepSpeed refills it on every finite step instead).
 """
@@ -64,7 +64,7 @@ class _Slot:
 # The scaler's fifteen numbers, in three groups by dtype. Each group is one array, so a jitted step
 # passes three arrays in and out for the scaler instead of fifteen: on a GPU, where the host's
 # dispatch of each array is most of a small step's time, fifteen cost 15% of an 8M-parameter Adam
-# step on an H100 (benchmarks/NOTES.md, #24).
+# step on an H100 (benchmarks/NOTES.md).
 _FLOATS = ("scale", "growth_factor", "backoff_factor", "min_scale", "max_scale")
 _INTS = ("growth_tracker", "hysteresis_tracker", "skipped_steps", "growth_interval", "hysteresis")
 _FLAGS = ("last_skipped", "stalled", "dynamic", "raise_on_stall", "enabled")
@@ -199,8 +199,8 @@ def init(
     min_scale: the scale never backs off below this. May be below 1. Whatever
       it is, the scale never backs off below 2**-126, float32's smallest
       normal number: below it XLA flushes the scale to 0 and no step could
-      ever be taken again. (torch's does, after 126 or more back-offs in a
-      row from its default scale.) A scale at this floor counts as
+      ever be taken again. (torch's does: from its default 2**16, it reaches
+      2**-127 after 143 back-offs in a row.) A scale at this floor counts as
       ``min_scale`` for ``on_stall``.
     max_scale: the scale never grows above this.
     dynamic: False keeps the scale fixed at ``init_scale`` (a static loss
@@ -575,7 +575,7 @@ def unscale_and_check_unchecked(state: ScalerState, grads: Any, *, axis_name: An
   # The flag is the check of the unscaled gradients, the very expression the Optax wrapper
   # computes on the gradients it is given: when they arrive unchanged, XLA merges the two
   # reductions (common subexpressions), and the step reads the gradients once for both
-  # (benchmarks/NOTES.md #21). inf and NaN survive exact unscaling, and a scale below 1, the only
+  # (benchmarks/NOTES.md). inf and NaN survive exact unscaling, and a scale below 1, the only
   # one that can overflow a finite gradient, is caught here as it should be.
   return unscaled, all_finite(unscaled, axis_name=axis_name) | ~state.enabled
 

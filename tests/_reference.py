@@ -7,7 +7,7 @@ INT32_MAX = 2**31 - 1
 
 
 class ReferenceScaler:
-  """The loss-scaling rule in plain Python, written from `_scaler.py`'s docstring and DESIGN.md (NumPy
+  """The loss-scaling rule in plain Python, written from `_scaler.py`'s docstring and docs/index.md (NumPy
   float32 where rounding matters): the one model of the rule the tests compare jaxscale with."""
 
   OPTIONS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",

@@ -1,4 +1,4 @@
-"""The public surface: DESIGN.md's fixed names, documented, and nothing heavy imported."""
+"""The public surface: the fixed public names, documented, and nothing heavy imported."""
 
 import inspect
 import pathlib
@@ -10,7 +10,7 @@ import pytest
 
 import jaxscale
 
-DESIGN_NAMES = {
+FIXED_NAMES = {
     "ScalerState", "init", "scale", "unscale_and_check", "update",
     "dynamic_loss_scaling", "find_scaler", "state_dict", "load_state_dict",
     "range_stats", "suggest_scale",
@@ -19,8 +19,8 @@ DESIGN_NAMES = {
 }
 
 
-def test_design_names_are_public_and_documented():
-  assert DESIGN_NAMES <= set(jaxscale.__all__)
+def test_fixed_names_are_public_and_documented():
+  assert FIXED_NAMES <= set(jaxscale.__all__)
   for name in jaxscale.__all__:
     obj = getattr(jaxscale, name)
     if not callable(obj):  # a constant (HISTOGRAM_EXPONENTS) has no docstring of its own: the API page says it

@@ -260,7 +260,7 @@ def test_a_nested_float32_region_stays_float32():
 
 
 def test_enabled_is_one_rule_for_booleans():
-  """`enabled` takes what `jaxscale.init(enabled=)` takes: a bool, NumPy's included (issue 18, case 11)."""
+  """`enabled` takes what `jaxscale.init(enabled=)` takes: a bool, NumPy's included."""
   inner = lambda x: x @ x
   assert jaxscale.autocast(inner, "mixed_float16", enabled=False) is inner
   assert jaxscale.autocast(inner, "mixed_float16", enabled=np.False_) is inner

@@ -1,6 +1,6 @@
 """A user holds true gradients: every composition trains like the reference, every mistake says so.
 
-The problem of issue 26: a 4 -> 1 float16 linear regression trained for 50 steps, as a new user
+The problem: a 4 -> 1 float16 linear regression trained for 50 steps, as a new user
 writes the step. The reference is independent of jaxscale: the same optax transformation, unwrapped,
 on the float32 gradients of `jax.grad` of the float32 loss. float16 compute rounds each product and
 the prediction to 11 bits (relative error <= 2**-11 per element, about 5e-4); the regression
@@ -28,12 +28,12 @@ PARAMS = {"w": jnp.zeros((4, 1))}
 JIT = {"jit": jax.jit, "eager": lambda f: f}
 # A start scale at which this model's float16 gradients never overflow: the only skipped steps are
 # the poisoned ones, which the reference leaves out. (At the default 2**16 the first steps overflow
-# and back off, as in the README's quick start.)
+# and back off, as in docs/troubleshooting.md's first example.)
 OPTIONS = dict(init_scale=2.0**8)
 
 
 def loss_fn(params, x, y):
-  """float16 compute, float32 parameters and loss: the README's model."""
+  """float16 compute, float32 parameters and loss: docs/troubleshooting.md's model."""
   pred = x.astype(jnp.float16) @ params["w"].astype(jnp.float16)
   return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
 

@@ -335,7 +335,7 @@ def test_a_checkpoint_written_by_tree_serialise_leaves_resumes_bit_for_bit(tmp_p
   assert int(jaxscale.find_scaler(got[1]).skipped_steps) == 3
 
 
-# ------------------------------------------------------------------ mixed precision (issues 17 and 20)
+# ------------------------------------------------------------------ mixed precision
 
 
 def test_mixed_precision_with_a_float32_model():

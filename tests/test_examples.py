@@ -80,25 +80,35 @@ def markdown_tables(text):
           for caption, rows in tables}
 
 
+def table_rows(text):
+  """The cells of every Markdown table row in ``text``."""
+  return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
+
+
 def test_quickstart_float16_loses_and_jaxscale_recovers_float32(capsys):
-  """README's first command: float16 alone >= 3% worse than float32, float16 + jaxscale within 1% of it."""
+  """README's first command: float16 alone >= 3% worse than float32; float16 + jaxscale within 1% of it,
+  in plain JAX, with a Linen TrainState and with an nnx.Optimizer; README shows the table it prints."""
   losses = import_example("quickstart").main()
   out = capsys.readouterr().out
-  float32, float16, scaled = losses["float32"], losses["float16"], losses["float16 + jaxscale"]
+  float32, float16, scaled, *flax_recipes = losses.values()
   assert float16 >= 1.03 * float32 and abs(scaled / float32 - 1) <= 0.01, losses
-  assert f"| float16 + jaxscale | {scaled:.4f} | {100 * (scaled / float32 - 1):+.1f}% | 65536 | 0 |" in out
-  # The Flax recipes train too: their float16 loss ends far below the teacher's output variance.
-  recipes = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith("Flax ")]
-  assert len(recipes) == 2 and all(0 <= loss < 0.01 for loss in recipes), recipes
-  if jax.devices()[0].platform == "cpu":  # README shows a CPU's table: the numbers this prints, to rounding
+  # The Flax recipes run the same float16 operations from the same start on the same batches. One-ulp
+  # changes to the start moved the scaled run's loss by at most 0.07% (8 starts), so 0.2% bounds any
+  # other compilation of the same arithmetic.
+  assert flax_recipes == pytest.approx([scaled, scaled], rel=2e-3), losses
+  rows = table_rows(out)
+  assert rows[0] == ["run", "held-out loss", "vs float32", "loss scale", "skipped steps"]
+  assert [row[0] for row in rows[2:]] == list(losses)
+  for row, loss in zip(rows[2:], losses.values()):
+    assert float(row[1]) == pytest.approx(loss, rel=0.5), row  # one significant digit
+  assert [row[2] for row in rows[2:]] == ["(reference)", "worse by 50% or more" if float16 >= 1.5 * float32
+                                          else f"{float16 / float32 - 1:+.0%}"] + ["within 1%"] * 3
+  # float16 alone never scales or skips; jaxscale keeps its start scale, 2**16: no gradient overflows.
+  assert [row[3:] for row in rows[2:]] == [["1", "0"]] * 2 + [["65536", "0"]] * 3
+  if jax.devices()[0].platform == "cpu":  # README shows a CPU's table (a GPU may round float16 differently)
     readme = (ROOT / "README.md").read_text()
-    shown = markdown_tables(re.search(r"<!-- quickstart output -->\n```text\n(.*?)```", readme, re.S).group(1))
-    printed = markdown_tables(out)
-    (shown_rows,), (printed_rows,) = shown.values(), printed.values()
-    assert [r[0] for r in shown_rows] == [r[0] for r in printed_rows]
-    for want, got in zip(shown_rows[2:], printed_rows[2:]):
-      assert want[3:] == got[3:] and float(want[1]) == pytest.approx(float(got[1]), rel=0.02), (want, got)
-      assert float(want[2].rstrip("%")) == pytest.approx(float(got[2].rstrip("%")), abs=0.2), (want, got)
+    shown = re.search(r"<!-- quickstart output -->\n```text\n(.*?)```", readme, re.S).group(1)
+    assert table_rows(shown) == rows
 
 
 def test_lm(tmp_path, capsys):

@@ -373,7 +373,7 @@ def test_the_full_stack_on_decaying_gradients_has_no_nan(method):
   def parameter_rounding(want, moved):
     ulp = 2.0**-10 * np.maximum(np.abs(want), 2.0**-14)  # float16's ulp, at most 2**-10 of the value
     if method == "kahan":
-      return ulp  # the last rounding (half an ulp) and the compensation's own (NOTES.md #20)
+      return ulp  # the last rounding (half an ulp) and the compensation's own
     # Stochastic rounding: each step adds an unbiased error within one ulp, of variance at most
     # f (1 - f) ulp**2 <= ulp * |u| (f, the rounded fraction, is at most |u| / ulp): over the run,
     # variance <= ulp * moved; 6 standard deviations, plus one ulp for the bounded increments.

@@ -2,7 +2,7 @@
 
 The machine drives, side by side, the functional API (`update` after `unscale_and_check`, or with a
 flag given), the jitted `dynamic_loss_scaling` wrapper around SGD with momentum, and `Model` below
-(written from the rule in `_scaler.py`'s docstring and DESIGN.md, in NumPy float32 where rounding
+(written from the rule in `_scaler.py`'s docstring and docs/index.md, in NumPy float32 where rounding
 matters, and float64 for the parameters). Rules: option changes through `configure`, steps whose
 gradients are finite, overflow, or hold an inf or a NaN (in the scaled buffer, or with the flag passed
 as `finite=`), `state_dict` round trips, resuming a torch state dict in a freshly built scaler, and
