@@ -209,7 +209,7 @@ def measure(step, *args, donate=(0, 1)) -> Program:
 # ---------------------------------------------------------------- the configurations
 # Each table maps a row's name to a builder of (step, args, donate); its first row is the baseline.
 
-SCALER_PEERS = ("plain", "jaxscale", "jmp+apply_if_finite", "flax DynamicScale", "mpx")
+SCALER_PEERS = ("plain", "jaxscale", "jmp+apply_if_finite", "flax DynamicScale", "mpx", "keras LossScaleOptimizer")
 
 
 def _bench_rows(builders):
@@ -222,7 +222,8 @@ def _bench_rows(builders):
 
 def scaler_tables():
   """The optimizer step alone and two full steps: plain optax, jaxscale and its peers (bench.py's)."""
-  peers = [v for v in SCALER_PEERS if v != "mpx" or _importable("mpx")]
+  available = {"mpx": _importable("mpx"), "keras LossScaleOptimizer": bench.import_keras() is not None}
+  peers = [v for v in SCALER_PEERS if available.get(v, True)]
   return {
       "Adam step, 8M params / 48 leaves": _bench_rows(bench.optimizer_builders("adam", 8_000_000, 48, peers)),
       "Adam step, 32M params / 48 leaves": _bench_rows(bench.optimizer_builders("adam", 32_000_000, 48, peers)),
