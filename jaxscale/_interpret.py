@@ -21,13 +21,14 @@ are gated on ``JAX_VERSION`` below, with the release that changed them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core
+from jax.extend import core, source_info_util
 
 JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
 
@@ -83,12 +84,25 @@ def subjaxprs(params) -> list:
 
 
 def bind(eqn, ins: Sequence[Any], params=None) -> list:
-  """``eqn``'s primitive bound on ``ins`` with ``params`` (its own by default); always a list."""
+  """``eqn``'s primitive bound on ``ins`` with ``params`` (its own by default); always a list.
+
+  The operation keeps ``eqn``'s source: the user's traceback and its module path (name stack)
+  under the current one, as JAX's own transformations keep them, so that what an interpreter
+  emits still names the user's line and layer (``find_overflow``, JAX's error messages).
+  """
   bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
   # `(subfuns, params)` before jax 0.8, the parameters alone since.
   subfuns, bind_params = bound if isinstance(bound, tuple) else ((), bound)
-  out = eqn.primitive.bind(*subfuns, *ins, **bind_params)
+  with _source_of(eqn):
+    out = eqn.primitive.bind(*subfuns, *ins, **bind_params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _source_of(eqn):
+  info = getattr(eqn, "source_info", None)
+  if info is None:
+    return contextlib.nullcontext()
+  return source_info_util.user_context(info.traceback, name_stack=source_info_util.current_name_stack() + info.name_stack)
 
 
 def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> list:
