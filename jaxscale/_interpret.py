@@ -84,25 +84,27 @@ def subjaxprs(params) -> list:
 
 
 def bind(eqn, ins: Sequence[Any], params=None) -> list:
-  """``eqn``'s primitive bound on ``ins`` with ``params`` (its own by default); always a list.
-
-  The operation keeps ``eqn``'s source: the user's traceback and its module path (name stack)
-  under the current one, as JAX's own transformations keep them, so that what an interpreter
-  emits still names the user's line and layer (``find_overflow``, JAX's error messages).
-  """
+  """``eqn``'s primitive bound on ``ins`` with ``params`` (its own by default); always a list."""
   bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
   # `(subfuns, params)` before jax 0.8, the parameters alone since.
   subfuns, bind_params = bound if isinstance(bound, tuple) else ((), bound)
-  with _source_of(eqn):
-    out = eqn.primitive.bind(*subfuns, *ins, **bind_params)
+  out = eqn.primitive.bind(*subfuns, *ins, **bind_params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _source_of(eqn):
+def source_of(eqn):
+  """A context in which the operations bound keep ``eqn``'s source.
+
+  Its user traceback, and its module path (name stack) under the current one, as JAX's own
+  transformations keep them: what an interpreter emits for ``eqn`` (the operation itself, the
+  casts around it) still names the user's line and layer, for ``find_overflow`` and JAX's
+  error messages alike.
+  """
   info = getattr(eqn, "source_info", None)
   if info is None:
     return contextlib.nullcontext()
-  return source_info_util.user_context(info.traceback, name_stack=source_info_util.current_name_stack() + info.name_stack)
+  name_stack = source_info_util.current_name_stack() + info.name_stack
+  return source_info_util.user_context(info.traceback, name_stack=name_stack)
 
 
 def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> list:

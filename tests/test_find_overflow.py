@@ -78,6 +78,10 @@ def test_flax_layer_that_overflows_in_the_forward_pass_is_named():
   assert report.max_input_magnitude == max(np.abs(h).max(), np.abs(kernel).max())
   assert np.abs(h.astype(np.float32) @ kernel.astype(np.float32)).max() > F16_MAX  # it must overflow there
   assert not step_is_finite(loss, scaler, params, x)
+  # Under autocast, which re-runs each operation, the layer and the line are the same.
+  cast = jaxscale.find_overflow(jaxscale.autocast(loss, "mixed_float16"), scaler, params, x)
+  assert (cast.primitive, cast.name_stack, cast.source, cast.max_input_magnitude) == (
+      report.primitive, report.name_stack, report.source, report.max_input_magnitude)
   assert str(report).startswith("dot_general in `MLP/Dense_1` (test_find_overflow.py:")
   assert "overflowed float16 in the forward pass at loss scale 1: its inputs reach 1e+04" in str(report)
 
