@@ -7,8 +7,9 @@ jaxpr, then runs that jaxpr one operation at a time on the real values, as ``jax
 does, and stops at the first operation that *makes* a non-finite value::
 
     made        its result holds a NaN that none of its inputs held, or an inf that none of
-                them held (a value that arrives non-finite, an attention mask's -inf, flows
-                on unreported; an operation that makes a NaN of it, -inf - -inf, is reported)
+                them held, and no input holds one that an earlier operation made (that one is
+                the cause: inf - inf = NaN only passes it on); a value given non-finite, an
+                attention mask's -inf, is no operation's: one that makes a NaN of it is reported
     phase       "backward" for the operations that read the cotangent (the seed and all that
                 is computed from it), "forward" for the others: the VJP's forward operations
                 come first and none of them reads the seed
@@ -413,22 +414,21 @@ class _Run:
       i += 1
 
   def check(self, eqn, ins, origins, outs, where: _Where) -> list:
-    """The origins of ``outs``: this operation if they hold a NaN or an inf that ``ins`` did not."""
+    """The origins of ``outs``: this operation if it made their inf or NaN, else its inputs'."""
     floating = [_interpret.floating(v.aval) for v in eqn.outvars]
     censuses = [_Census.of([x]) if f else None for x, f in zip(outs, floating)]
     if all(c is None or c.finite for c in censuses):
       return [None] * len(outs)
     given = _Census.of([x for x, v in zip(ins, eqn.invars) if _interpret.floating(v.aval)])
     new = _Census.of([x for x, f in zip(outs, floating) if f]).holds(given)
-    if new:
+    origin = _earliest(origins)
+    if new and origin is None:  # not an inf that an earlier operation made, turned into a NaN here
       self.made.append(OverflowReport(
           primitive=eqn.primitive.name, phase=where.phase, source=_source(eqn), name_stack=where.names,
           dtype=np.dtype(next(v.aval.dtype for v, f in zip(eqn.outvars, floating) if f)).name,
           max_input_magnitude=given.largest, iteration=where.iteration, made=new, scale=self.scale,
       ))
       origin = len(self.made) - 1
-    else:
-      origin = _earliest(origins)
     return [None if c is None or c.finite else origin for c in censuses]
 
 
