@@ -4,12 +4,15 @@ A skipped step says only that some gradient held an inf or a NaN; ``find_overflo
 operation that made it. It traces what the gradient site computes (``fun``'s loss times the
 scale, and the VJP of that product seeded with 1, as ``jaxscale.value_and_grad`` does) into one
 jaxpr, then runs that jaxpr one operation at a time on the real values, as ``jax_debug_nans``
-does, and stops at the first operation that *makes* a non-finite value::
+does, and follows each inf and NaN back to the operation that *made* it::
 
     made        its result holds a NaN that none of its inputs held, or an inf that none of
                 them held, and no input holds one that an earlier operation made (that one is
                 the cause: inf - inf = NaN only passes it on); a value given non-finite, an
                 attention mask's -inf, is no operation's: one that makes a NaN of it is reported
+    reported    each non-finite value carries the operation that made it (the earliest, of
+                several); the report is on the earliest whose inf or NaN reaches the gradients
+                (the step is skipped for it), else the loss, else the earliest of all
     phase       "backward" for the operations that read the cotangent (the seed and all that
                 is computed from it), "forward" for the others: the VJP's forward operations
                 come first and none of them reads the seed
@@ -51,12 +54,12 @@ ARGUMENT = "argument"
 
 # Primitives whose jaxpr parameter is an elementwise combiner, not a sub-program to run: they
 # are bound as they are, like any first-order primitive.
-_COMBINERS = ("scatter", "reduce", "select_and_scatter", "select_and_gather", "sort", "argsort")
+_COMBINERS = ("scatter", "reduce", "select_and_scatter", "select_and_gather")
 
 
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
-  """The first operation of a scaled step whose result is not finite; ``str()`` says it in a sentence.
+  """The operation that made a scaled step's inf or NaN; ``str()`` says it in a sentence.
 
   Attributes:
     primitive: the JAX primitive's name (``"dot_general"``, ``"exp"``, ``"log"``, ...).
@@ -133,13 +136,19 @@ def find_overflow(
     has_aux: bool = False,
     **kwargs: Any,
 ) -> OverflowReport | None:
-  """The first operation that made an inf or a NaN in a scaled step, or None if there is none.
+  """The operation that made a scaled step's first inf or NaN, or None if every value is finite.
 
   Runs ``fun(*args, **kwargs)`` with its loss multiplied by ``scaler``'s scale and the
   gradient of that product with respect to ``args[argnums]``, as :func:`value_and_grad` does,
-  one operation at a time on the real values (eagerly: slow, for diagnosis), and reports the
-  first operation whose result holds an inf or a NaN that none of its inputs held. For a
-  skipped step, hand it the loss function, batch and scaler of that step.
+  one operation at a time on the real values (eagerly: slow, for diagnosis). An operation
+  made an inf or a NaN when its result holds one that none of its inputs held (an inf that
+  only passes on, or becomes a NaN, is its maker's). The report is on the earliest operation
+  whose inf or NaN reaches the gradients (the one the step was skipped for), else the loss,
+  else the earliest of all (``OverflowReport.reaches`` says which). For a skipped step, hand
+  it the loss function, batch and scaler of that step (the scaler before the step's update).
+
+  Each value is rounded to its dtype, as the program states: a compiled step may keep a fused
+  float16 intermediate in float32 (XLA's excess precision) and overflow less.
 
   Calls (``jit``, ``checkpoint``, ``custom_jvp``, ``custom_vjp``) are looked into; a ``scan``
   or ``while_loop`` body is run iteration by iteration and the report says which; a ``cond``
@@ -157,7 +166,7 @@ def find_overflow(
     **kwargs: ``fun``'s keyword arguments.
 
   Returns:
-    An :class:`OverflowReport`, or None if every value is finite.
+    An :class:`OverflowReport`, or None if no operation made an inf or a NaN.
 
   Raises:
     TypeError: if ``scaler`` is not a :class:`ScalerState`, ``fun`` is not callable, an

@@ -4,7 +4,7 @@ Each overflow below is built so that which operation must make it is known befor
 whose weights alone exceed float16 once multiplied, a cotangent that grows by a known factor per
 layer, a `log` of 0), and the report is checked against that and against NumPy on the
 operation's inputs. Whether it finds one at all is checked against the gradient site itself:
-`jaxscale.value_and_grad`'s finite flag is False exactly when `find_overflow` reports.
+`jaxscale.value_and_grad`'s finite flag is False exactly when the report reaches the gradients.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jaxscale
+import jaxscale.equinox
 
 F16_MAX = float(np.finfo(np.float16).max)  # 65504
 
@@ -127,23 +128,25 @@ def test_scan_over_layers_reports_the_forward_iteration():
   layers, d = 5, 4
   rng = np.random.default_rng(1)
   w = rng.normal(0, 0.5, (layers, d, d)).astype(np.float32)
-  w[3] = 3e4  # layer 3's outputs sum 4 products of inputs near 1 by 3e4
+  w[3] = 3e4  # layer 3's outputs sum 4 products of inputs >= 1 by 3e4: >= 1.2e5
   x = jnp.asarray(rng.normal(0, 1, (2, d)), jnp.float32)
 
   def loss(w, x):
     def layer(x, w):
-      return jnp.tanh(x @ w) + 1.0, None  # in (0, 2): layer 3's products reach 4 * 2 * 3e4
+      return jax.nn.relu(x @ w) + 1.0, None  # >= 1
 
     x, _ = jax.lax.scan(layer, x.astype(jnp.float16), jnp.asarray(w, jnp.float16))
     return jnp.mean(x.astype(jnp.float32))
 
-  report = jaxscale.find_overflow(loss, jaxscale.init(init_scale=1.0), jnp.asarray(w), x)
-  assert (report.primitive, report.phase, report.iteration) == ("dot_general", "forward", (3,))
+  scaler = jaxscale.init(init_scale=1.0)
+  report = jaxscale.find_overflow(loss, scaler, jnp.asarray(w), x)
+  assert (report.primitive, report.phase, report.iteration) == ("dot_general", "forward", (3,)) and report.skips_step
   # NumPy: the activations reaching layer 3, in float16 as the scan computes them.
   h = np.asarray(x, np.float16)
   for i in range(3):
-    h = (np.tanh((h.astype(np.float32) @ w[i].astype(np.float16).astype(np.float32)).astype(np.float16)) + 1)
+    h = np.maximum(h.astype(np.float32) @ w[i].astype(np.float16).astype(np.float32), 0).astype(np.float16) + 1
   assert report.max_input_magnitude == max(np.abs(h).max(), float(np.float16(3e4)))
+  assert not step_is_finite(loss, scaler, jnp.asarray(w), x)
 
 
 def test_log_of_zero():
@@ -191,10 +194,13 @@ def test_equinox_model():
   x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 4)), jnp.float16)
 
   def loss(model, x):
-    return jnp.mean(jax.vmap(model)(x).astype(jnp.float32))  # the model's call
+    return jnp.mean(jax.vmap(model)(x).astype(jnp.float32) ** 2)  # the model's call
 
-  report = jaxscale.find_overflow(loss, jaxscale.init(init_scale=1.0), model, x)
-  assert (report.primitive, report.phase, report.dtype) == ("dot_general", "forward", "float16")
+  scaler = jaxscale.init(init_scale=1.0)
+  report = jaxscale.find_overflow(loss, scaler, model, x)
+  assert (report.primitive, report.phase, report.dtype) == ("dot_general", "forward", "float16") and report.skips_step
+  with jax.disable_jit():  # as `step_is_finite`, with Equinox's own gradient site
+    assert not jaxscale.equinox.filter_value_and_grad(loss)(scaler, model, x)[2]
   assert "the model's call" in source_line(report)  # the user's line, not Equinox's
   # NumPy on the last layer's inputs: its weight and the activations of the layers before.
   h = np.asarray(x, np.float32)
@@ -203,6 +209,33 @@ def test_equinox_model():
     h = (1 / (1 + np.exp(-z.astype(np.float32)))).astype(np.float16).astype(np.float32)
   assert report.max_input_magnitude == max(float(np.float16(2e4)), np.abs(h).max())
   assert h.sum(axis=1).max() * 2e4 > F16_MAX  # the last layer's sums exceed float16
+
+
+def test_flax_nnx_model_names_the_line_of_the_layer():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      # sigmoid(5 + small) > 0.99, and 8 of them times 2e4 exceed float16.
+      constant = nnx.initializers.constant
+      self.hidden = nnx.Linear(4, 8, dtype=jnp.float16, bias_init=constant(5.0), rngs=rngs)
+      self.head = nnx.Linear(8, 1, dtype=jnp.float16, kernel_init=constant(2e4), rngs=rngs)
+
+    def __call__(self, x):
+      h = nnx.sigmoid(self.hidden(x))
+      return self.head(h)  # the layer that overflows
+
+  net = Net(nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(3).normal(0, 0.1, (2, 4)), jnp.float32)
+
+  def loss(net, x):
+    return jnp.mean(net(x).astype(jnp.float32) ** 2)
+
+  scaler = jaxscale.init(init_scale=1.0)
+  report = jaxscale.find_overflow(loss, scaler, net, x)
+  assert (report.primitive, report.phase, report.dtype) == ("dot_general", "forward", "float16")
+  assert "the layer that overflows" in source_line(report) and report.max_input_magnitude == float(np.float16(2e4))
+  assert not step_is_finite(loss, scaler, net, x)
 
 
 def test_all_finite_gives_none_and_a_finite_step():
