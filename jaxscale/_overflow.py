@@ -503,21 +503,25 @@ def _module_path(name_stack: str) -> str:
 def _source(eqn) -> str:
   """``path:line`` of the innermost frame of ``eqn``'s traceback outside the libraries."""
   traceback = getattr(eqn.source_info, "traceback", None)
+  packages, stdlib = _library_dirs()
   for frame in getattr(traceback, "frames", ()):
     path = os.path.realpath(frame.file_name) if os.path.isabs(frame.file_name) else frame.file_name
-    if not path.startswith(_library_dirs()):
+    installed = any(part in ("site-packages", "dist-packages") for part in path.split(os.sep))
+    if not (path.startswith(packages) or (path.startswith(stdlib) and not installed)):
       return f"{frame.file_name}:{frame.line_num}"
   return ""
 
 
 @functools.cache
-def _library_dirs() -> tuple[str, ...]:
-  """The folders of the libraries whose frames are not the user's (found, not imported)."""
-  dirs = [sysconfig.get_paths()["stdlib"]]
+def _library_dirs() -> tuple[tuple[str, ...], str]:
+  """The folders of the libraries whose frames are not the user's (found, not imported), and
+  Python's own library (whose folder holds the installed packages in some environments)."""
+  dirs = []
   for name in ("jax", "jaxlib", "jaxscale", "flax", "equinox"):
     spec = importlib.util.find_spec(name)
     dirs.extend((spec.submodule_search_locations or ()) if spec is not None else ())
-  return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+  folder = lambda d: os.path.join(os.path.realpath(d), "")
+  return tuple(map(folder, dirs)), folder(sysconfig.get_paths()["stdlib"])
 
 
 def _power_of_two(scale: float) -> str:
