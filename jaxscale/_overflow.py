@@ -474,14 +474,25 @@ class _Census:
 
   @classmethod
   def of(cls, arrays) -> _Census:
-    # float64 holds every narrower format's values exactly; a complex value by its magnitude.
-    values = [np.abs(a) if np.iscomplexobj(a) else a for a in map(np.asarray, arrays)]
-    values = np.concatenate([a.astype(np.float64).ravel() for a in values] or [np.zeros(0)])
-    finite = np.abs(values[np.isfinite(values)])
-    return cls(
-        bool(np.isnan(values).any()), bool(np.isposinf(values).any()), bool(np.isneginf(values).any()),
-        float(finite.max()) if finite.size else 0.0,
-    )
+    if not arrays:
+      return cls(False, False, False, 0.0)
+    # Reduced where the arrays are (a GPU's activations are not copied to the host), four
+    # numbers back.
+    flags, largest = _summary([jnp.asarray(a) for a in arrays])
+    return cls(*map(bool, flags), max(map(float, largest)))
+
+
+@jax.jit
+def _summary(arrays):
+  """Whether ``arrays`` hold a NaN, an inf and a -inf, and their largest finite magnitude."""
+  flags, largest = [], []
+  for a in arrays:
+    a = jnp.abs(a) if jnp.iscomplexobj(a) else a  # a complex value by its magnitude
+    # float32 holds every narrower format's values exactly.
+    a = a.astype(jnp.float32) if jnp.finfo(a.dtype).bits < 32 else a
+    flags.append(jnp.stack([jnp.isnan(a).any(), jnp.isposinf(a).any(), jnp.isneginf(a).any()]))
+    largest.append(jnp.max(jnp.where(jnp.isfinite(a), jnp.abs(a), 0), initial=0))
+  return jnp.stack(flags).any(axis=0), largest
 
 
 def _is_call(eqn, jaxpr) -> bool:
