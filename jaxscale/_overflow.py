@@ -1,4 +1,4 @@
-"""Finding the overflow: the first operation of a scaled step whose result is not finite.
+"""Finding the overflow: the operation that made the inf or NaN of a scaled step.
 
 A skipped step says only that some gradient held an inf or a NaN; ``find_overflow`` names the
 operation that made it. It traces what the gradient site computes (``fun``'s loss times the
