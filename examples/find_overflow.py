@@ -64,7 +64,7 @@ def main(argv=None):
                       help="the step whose batch holds a corrupted sample (default: %(default)s)")
   args = parser.parse_args(argv)
 
-  tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-3))  # starts at 2^16, torch's default
+  tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-2))  # starts at 2^16, torch's default
 
   @jax.jit
   def train_step(params, opt_state, x, y):
