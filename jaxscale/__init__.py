@@ -28,6 +28,7 @@ from jaxscale._device import recommended_policy, supports_bfloat16, supports_flo
 from jaxscale._range import HISTOGRAM_EXPONENTS, RangeStats, format_range_stats, range_stats
 from jaxscale._taps import tap, tap_probes
 from jaxscale._suggest import ProbeResult, probe_scale, suggest_scale
+from jaxscale._overflow import OverflowReport, find_overflow
 
 __version__ = "0.1.0"
 
@@ -64,8 +65,10 @@ __all__ = (
     "supports_float16",
     # Seeing the float16 range.
     "HISTOGRAM_EXPONENTS",
+    "OverflowReport",
     "ProbeResult",
     "RangeStats",
+    "find_overflow",
     "format_range_stats",
     "probe_scale",
     "range_stats",

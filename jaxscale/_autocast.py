@@ -235,7 +235,8 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], policy: _policy.
     env[var] = value
   read = lambda v: v.val if _interpret.is_literal(v) else env[v]
   for eqn in jaxpr.eqns:
-    outs = _eqn(eqn, [read(v) for v in eqn.invars], policy)
+    with _interpret.source_of(eqn):  # the user's line and layer, on the operation and its casts
+      outs = _eqn(eqn, [read(v) for v in eqn.invars], policy)
     for var, value in zip(eqn.outvars, outs):
       env[var] = value  # a DropVar too: never read
   outs = [read(v) for v in jaxpr.outvars]

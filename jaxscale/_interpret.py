@@ -21,13 +21,14 @@ are gated on ``JAX_VERSION`` below, with the release that changed them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core
+from jax.extend import core, source_info_util
 
 JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
 
@@ -89,6 +90,21 @@ def bind(eqn, ins: Sequence[Any], params=None) -> list:
   subfuns, bind_params = bound if isinstance(bound, tuple) else ((), bound)
   out = eqn.primitive.bind(*subfuns, *ins, **bind_params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def source_of(eqn):
+  """A context in which the operations bound keep ``eqn``'s source.
+
+  Its user traceback, and its module path (name stack) under the current one, as JAX's own
+  transformations keep them: what an interpreter emits for ``eqn`` (the operation itself, the
+  casts around it) still names the user's line and layer, for ``find_overflow`` and JAX's
+  error messages alike.
+  """
+  info = getattr(eqn, "source_info", None)
+  if info is None:
+    return contextlib.nullcontext()
+  name_stack = source_info_util.current_name_stack() + info.name_stack
+  return source_info_util.user_context(info.traceback, name_stack=name_stack)
 
 
 def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> list:

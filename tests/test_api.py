@@ -15,7 +15,7 @@ FIXED_NAMES = {
     "dynamic_loss_scaling", "find_scaler", "state_dict", "load_state_dict",
     "range_stats", "suggest_scale",
     "Policy", "get_policy", "autocast", "master_weights", "supports_float16", "supports_bfloat16",
-    "recommended_policy", "needs_loss_scaling", "metrics", "precision_report",
+    "recommended_policy", "needs_loss_scaling", "metrics", "precision_report", "find_overflow",
 }
 
 

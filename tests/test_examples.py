@@ -304,3 +304,20 @@ def test_log_every_must_be_a_positive_integer(value, capsys):
   with pytest.raises(SystemExit) as exit_info:
     import_example("lm").parse_args(["--log-every", value])
   assert exit_info.value.code == 2 and "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_find_overflow_names_the_pass_and_layer_of_each_skipped_step(capsys):
+  """The scale's skips overflow in the backward pass; the corrupted batch's in the first layer's input cast."""
+  example = import_example("find_overflow")
+  steps, corrupt = 6, 5
+  skipped = example.main(["--steps", str(steps), "--corrupt-step", str(corrupt)])
+  assert corrupt in skipped and all(report is not None and report.skips_step for report in skipped.values())
+  # The scaler halves the scale at each skip, from torch's 2^16, and grows none in so few steps.
+  assert [r.scale for r in skipped.values()] == [2.0**16 / 2**i for i in range(len(skipped))]
+  assert {r.phase for step, r in skipped.items() if step != corrupt} == {"backward"}
+  report = skipped.pop(corrupt)
+  assert (report.primitive, report.phase, report.name_stack, report.dtype) == (
+      "convert_element_type", "forward", "MLP/hidden", "float16")
+  x, _ = list(example.batches(steps, corrupt))[corrupt]
+  assert report.max_input_magnitude == np.abs(np.asarray(x)).max() > np.finfo(np.float16).max
+  assert f"step {corrupt} skipped: convert_element_type in `MLP/hidden`" in capsys.readouterr().out
