@@ -376,11 +376,11 @@ class _Run:
   def scan(self, eqn, ins, origins, programs, where) -> tuple[list, list]:
     """A scan's body, one iteration at a time; each iteration is named by the slice it reads."""
     try:
-      params = eqn.params
-      consts_count, carry_count, length, reverse = (params[k] for k in ("num_consts", "num_carry", "length", "reverse"))
+      length, reverse = eqn.params["length"], eqn.params["reverse"]
     except KeyError as error:
       raise _interpret.version_error("scan", f"its parameter {error} is not where `find_overflow` reads it") from error
     (jaxpr, consts), = programs
+    consts_count, carry_count = _scan_split(eqn, jaxpr)
     split = consts_count + carry_count
     carry, carry_origins = ins[consts_count:split], origins[consts_count:split]
     ys, y_origins = [None] * length, [[None] * (len(eqn.outvars) - carry_count)]
@@ -493,6 +493,24 @@ def _summary(arrays):
     flags.append(jnp.stack([jnp.isnan(a).any(), jnp.isposinf(a).any(), jnp.isneginf(a).any()]))
     largest.append(jnp.max(jnp.where(jnp.isfinite(a), jnp.abs(a), 0), initial=0))
   return jnp.stack(flags).any(axis=0), largest
+
+
+def _scan_split(eqn, body) -> tuple[int, int]:
+  """How many of a scan's operands are constants and how many carries, from the shapes alone.
+
+  JAX renames the parameters that count them between releases (`num_consts` and `num_carry`
+  became a tree of the operands in 0.12); the shapes say the same on every release: the body
+  returns the carry first, at its own shape, then each iteration's slice of the outputs, and the
+  scanned inputs come last, each one rank above the body's slice of it.
+  """
+  rank = lambda v: len(v.aval.shape)  # noqa: E731
+  carry_count = 0
+  for outer, inner in zip(eqn.outvars, body.outvars):
+    if rank(outer) != rank(inner):
+      break
+    carry_count += 1
+  scanned = sum(rank(outer) == rank(inner) + 1 for outer, inner in zip(eqn.invars, body.invars))
+  return len(eqn.invars) - carry_count - scanned, carry_count
 
 
 def _is_call(eqn, jaxpr) -> bool:
