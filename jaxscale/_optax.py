@@ -191,8 +191,7 @@ def require_own_state(state: Any, state_type: type, function: str) -> None:
       f"`{function}`'s update takes the state its own `init` built (a `{state_type.__name__}`), got "
       f"an object of type {type(state).__name__}; build it with `tx.init(params)` of this wrapped "
       "optimizer, not of the inner one (a checkpoint restored without a target is a dict: restore "
-      "it into the structure of `tx.init(params)`, e.g. `checkpointer.restore(path, "
-      "target=tx.init(params))`)."
+      "it into the structure of `tx.init(params)`)."
   )
 
 
