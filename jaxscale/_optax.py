@@ -50,7 +50,11 @@ def dynamic_loss_scaling(
   invisible only to what the wrapper wraps: a momentum, a weight decay or a
   schedule *after* or *around* it would still act on it, so wrap every
   stateful or parameter-dependent transformation
-  (``dynamic_loss_scaling(optax.chain(optax.add_decayed_weights(1e-4), adam))``).
+  (``dynamic_loss_scaling(optax.chain(optax.add_decayed_weights(1e-4), adam))``):
+  :func:`find_scaler` refuses a state with any transformation after the
+  wrapper in an ``optax.chain``. float16 parameters that no
+  :func:`jaxscale.master_weights` keeps in float32 are warned about when the
+  update is traced.
 
   Each update checks the gradients (inf and NaN survive exact unscaling, so
   this is the check of the scaled ones), ANDs the ``finite`` flag of the
@@ -244,7 +248,9 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
   Raises:
     ValueError: if ``opt_state`` holds no scaler, or more than one, or holds
       the wrapper inside ``optax.MultiSteps`` or ``optax.apply_if_finite``,
-      which would hide its decisions (the message says what to write).
+      which would hide its decisions, or a transformation after it in an
+      ``optax.chain``, which would act on its skipped steps (the message
+      says what to write).
     FloatingPointError: outside ``jit``, if the scaler has stalled (see
       ``on_stall`` in :func:`jaxscale.init`): every step since was skipped.
 

@@ -322,6 +322,30 @@ def test_a_scaler_found_outside_the_step_and_closed_over_warns_at_trace_time():
   assert record[0].filename == __file__  # it points at the user's line
 
 
+def test_a_scaler_closed_over_by_a_hand_written_site_warns_at_jaxscale_scale():
+  # `jaxscale.scale` -> `jax.grad` -> `tx.update` (scaled gradients, the unscale forgotten): every
+  # step after the first back-off is skipped. The scale is the one call of jaxscale the step makes
+  # with the constant scaler, and it says so; eagerly nothing is constant, and nothing is said.
+  tx = jaxscale.dynamic_loss_scaling(SGD(), **OPTIONS)
+  opt_state = tx.init(PARAMS)
+  scaler = jaxscale.find_scaler(opt_state)  # once, outside the step
+
+  def step(params, opt_state, x, y):
+    grads = jax.grad(lambda p: jaxscale.scale(scaler, loss_fn(p, x, y)))(params)
+    return tx.update(grads, opt_state, params)
+
+  with pytest.warns(UserWarning) as record:
+    jax.jit(step)(PARAMS, opt_state, X, Y)
+  assert [str(w.message) for w in record] == [CONSTANT_SCALER.replace("`value_and_grad`", "`scale`")]
+  assert record[0].filename == __file__  # it points at the user's line
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    step(PARAMS, opt_state, X, Y)
+    # Passed in, the scaler is traced: not a word.
+    jax.jit(lambda p, s, x, y, scaler: jax.grad(lambda p: jaxscale.scale(scaler, loss_fn(p, x, y)))(p))(
+        PARAMS, opt_state, X, Y, scaler)
+
+
 @pytest.mark.parametrize("site", ["value_and_grad", "by_hand"])
 def test_a_gradient_penalty_nests_a_gradient_site_in_the_loss_without_a_word(site):
   # The penalty's inner gradient is a gradient site of its own (scaled, differentiated, unscaled);
