@@ -159,7 +159,9 @@ def low_precision_state(
     changing = _changing(inner, inner_state, params)
     leaves = jax.tree.leaves(inner_state, is_leaf=_tree.is_variable)
     scaler = _scaler_leaves(inner_state)
-    which = [c and not s and _storable(_tree.unwrap_variable(x)) for x, c, s in zip(leaves, changing, scaler, strict=True)]
+    which = [
+        c and not s and _storable(_tree.unwrap_variable(x)) for x, c, s in zip(leaves, changing, scaler, strict=True)
+    ]
     raw = seed if seed is not None else jax.random.PRNGKey(key)
     return LowPrecisionState(_encode(inner_state, which, raw), raw)
 

@@ -27,8 +27,9 @@ step would then be skipped). Hysteresis follows Megatron-LM's
 only when the scale grows (DeepSpeed refills it on every finite step instead).
 
 A run stalls (see ``on_stall``) on an overflow with the scale already at its
-floor; a static scale, on the overflow after as many in a row as halving it
-would take to reach that floor: where the dynamic default would have stalled.
+floor; a static scale, on an overflow after as many in a row, past its
+hysteresis, as halving it would take to reach that floor: where a dynamic
+scale halving from it would have stalled.
 """
 
 from __future__ import annotations
@@ -753,7 +754,7 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   backed_off = jnp.maximum(state.scale * state.backoff_factor, floor)
   # A static scale is "at its floor" once its overflows in a row past the tolerance are as many as
   # the halvings that would bring it there: where the dynamic default would be by now.
-  at_floor = jnp.where(dynamic, state.scale <= floor, -hysteresis_left >= _halvings(state.scale, floor))
+  at_floor = jnp.where(dynamic, state.scale <= floor, jnp.maximum(-hysteresis_left, 0) >= _halvings(state.scale, floor))
 
   new = state.replace(
       scale=jnp.where(grow, grown, jnp.where(back_off, backed_off, state.scale)),

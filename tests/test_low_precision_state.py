@@ -439,8 +439,9 @@ def test_a_scaler_inside_stays_float32_and_steps_as_the_right_nesting(wrap):
   # and counters pass through untouched, and it scales, backs off and grows as in the documented
   # `master_weights(dynamic_loss_scaling(low_precision_state(adam)))`.
   options = dict(init_scale=3.0 * 2.0**10, growth_interval=2, backoff_factor=0.3)  # not bfloat16-exact
-  inside = jaxscale.master_weights(jaxscale.low_precision_state(jaxscale.dynamic_loss_scaling(optax.adam(1e-3), **options)))
-  right = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(optax.adam(1e-3)), **options))
+  adam = optax.adam(1e-3)
+  inside = jaxscale.master_weights(jaxscale.low_precision_state(jaxscale.dynamic_loss_scaling(adam, **options)))
+  right = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(adam), **options))
   params = params16()
   states = [inside.init(params), right.init(params)]
   for i in range(5):
@@ -459,13 +460,12 @@ def test_a_state_restored_without_a_target_says_what_to_do(wrap):
   import flax.serialization
 
   params = params16()
-  for tx, name in ((jaxscale.low_precision_state(optax.adam(1e-3)), "low_precision_state"),
-                   (jaxscale.master_weights(jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(optax.adam(1e-3)))),
-                    "master_weights")):
+  stack = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(optax.adam(1e-3))))
+  for tx, name in ((jaxscale.low_precision_state(optax.adam(1e-3)), "low_precision_state"), (stack, "master_weights")):
     restored = flax.serialization.msgpack_restore(flax.serialization.to_bytes(tx.init(params)))  # nested dicts
     grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
-    with pytest.raises(TypeError, match=rf"`{name}`'s update takes the state its own `init` built.*got an object of "
-                                        r"type dict.*restore it into the structure of `tx.init\(params\)`"):
+    told = rf"`{name}`'s update takes the state its own `init` built.*got an object of type dict.*"
+    with pytest.raises(TypeError, match=told + r"restore it into the structure of `tx.init\(params\)`"):
       wrap(tx.update)(grads, restored, params)
   # Where only the inner part came back as a dict, the transformation holding it says so.
   tx = jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(optax.adam(1e-3)))

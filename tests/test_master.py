@@ -489,7 +489,10 @@ def test_zero_size_parameters(method):
 
 # --- float16 parameters with no master: the scaler sees their dtype and says what to write ---------
 
-FLOAT16_NO_MASTER = r"updates float16 parameters .* no float32 master copy.*jaxscale.master_weights\(jaxscale.dynamic_loss_scaling\(inner\)\)"
+FLOAT16_NO_MASTER = (
+    r"updates float16 parameters .* no float32 master copy"
+    r".*jaxscale.master_weights\(jaxscale.dynamic_loss_scaling\(inner\)\)"
+)
 
 
 @pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
@@ -544,8 +547,8 @@ def test_a_state_restored_without_a_target_says_what_to_do(method):
   restored = flax.serialization.msgpack_restore(flax.serialization.to_bytes(tx.init(params)))  # nested dicts
   grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
   for wrap in (jax.jit, lambda f: f):
-    with pytest.raises(TypeError, match=r"`master_weights`'s update takes the state its own `init` built .*"
-                                        r"got an object of type dict.*restore it into the structure of `tx.init\(params\)`"):
+    told = r"`master_weights`'s update takes the state its own `init` built .*got an object of type dict.*"
+    with pytest.raises(TypeError, match=told + r"restore it into the structure of `tx.init\(params\)`"):
       wrap(tx.update)(grads, restored, params)
   # Restored into the target, it continues as the saved state would.
   again = flax.serialization.from_bytes(tx.init(params), flax.serialization.to_bytes(tx.init(params)))

@@ -26,6 +26,7 @@ OPTION_SETS = {
     "static": dict(init_scale=128.0, growth_interval=1, dynamic=False),
     "static_near_its_floor": dict(init_scale=2.0**-121, dynamic=False),  # stalls after 6 overflows in a row
     "static_odd_floor": dict(init_scale=3.0, min_scale=0.5, hysteresis=2, dynamic=False),
+    "static_at_its_floor": dict(init_scale=1.0, min_scale=1.0, hysteresis=2, dynamic=False),  # at once, as dynamic
     "growth_overflows_float32": dict(init_scale=2.0**126, growth_interval=1),
     "backoff_to_float32_floor": dict(init_scale=2.0**-120, backoff_factor=0.25, growth_interval=5),
 }
@@ -524,9 +525,10 @@ def test_a_state_inside_a_trace_shows_its_fields_as_tracers():
 
 
 @pytest.mark.parametrize("update", [jaxscale.update, jit_update], ids=["eager", "jit"])
-@pytest.mark.parametrize("init_scale", [2.0**16, 1.0, 1000.0])
-def test_a_static_scale_whose_every_step_overflows_stalls_where_a_dynamic_one_does(update, init_scale):
-  static, dynamic = jaxscale.init(init_scale=init_scale, dynamic=False), jaxscale.init(init_scale=init_scale)
+@pytest.mark.parametrize("init_scale, hysteresis", [(2.0**16, 1), (1.0, 1), (1000.0, 3), (2.0**-126, 2)])
+def test_a_static_scale_whose_every_step_overflows_stalls_where_a_dynamic_one_does(update, init_scale, hysteresis):
+  options = dict(init_scale=init_scale, hysteresis=hysteresis)
+  static, dynamic = jaxscale.init(**options, dynamic=False), jaxscale.init(**options)
   for step in range(300):
     static, dynamic = update(static, jnp.asarray(False)), update(dynamic, jnp.asarray(False))
     assert bool(static.stalled) == bool(dynamic.stalled), step
