@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -324,8 +325,8 @@ def _refuse_hidden_decisions(opt_state):
 
 
 def _refuse_transformations_after(node) -> None:
-  """Raises if, in an ``optax.chain``'s state (a plain tuple), a transformation follows the one
-  holding the scaler.
+  """Raises if, in an ``optax.chain``'s state (a plain tuple; ``optax.named_chain``'s, an
+  ``OrderedDict``), a transformation follows the one holding the scaler.
 
   A skipped step is invisible only inside the wrapper: its ``-0.0`` updates go on through what
   follows, and a momentum (``trace``) adds its velocity, a weight decay its ``wd * params``, a
@@ -340,8 +341,9 @@ def _refuse_transformations_after(node) -> None:
     if len(holding) != 1:
       return
     i = holding[0]
-    if type(node) is tuple:
-      after = [x for child in node[i + 1:] for x in jax.tree.leaves(child, is_leaf=_is_state) if _is_state(x)]
+    chained = list(node) if type(node) is tuple else list(node.values()) if type(node) is OrderedDict else None
+    if chained is not None:
+      after = [x for child in chained[i + 1:] for x in jax.tree.leaves(child, is_leaf=_is_state) if _is_state(x)]
       if after:
         names = ", ".join(dict.fromkeys(type(x).__name__ for x in after))
         raise ValueError(
@@ -351,7 +353,9 @@ def _refuse_transformations_after(node) -> None:
             "moves the parameters, a schedule counts the step). Wrap the whole chain instead, "
             "`dynamic_loss_scaling(optax.chain(..., optax.add_decayed_weights(wd), ...))`; a "
             "stateless transformation that must see the true gradients (a clip) may come before "
-            "the wrapper: `optax.chain(optax.clip_by_global_norm(1.0), dynamic_loss_scaling(inner))`."
+            "the wrapper: `optax.chain(optax.clip_by_global_norm(1.0), dynamic_loss_scaling(inner))`. "
+            "(If this tuple is not a chain's state but two optimizers' states side by side, pass "
+            "`find_scaler` the one holding the scaler.)"
         )
     node = children[i]
 

@@ -302,6 +302,8 @@ AFTER = {
         jaxscale.dynamic_loss_scaling(optax.scale_by_adam()), optax.add_decayed_weights(1e-2),
         optax.scale_by_learning_rate(1e-2)),
     "nested_chain": lambda: optax.chain(optax.chain(jaxscale.dynamic_loss_scaling(optax.sgd(0.1))), optax.trace(0.9)),
+    "named_chain": lambda: optax.named_chain(("scaled", jaxscale.dynamic_loss_scaling(optax.sgd(0.1))),
+                                             ("momentum", optax.trace(0.9))),
 }
 OUTERMOST = {
     "momentum_after": lambda: jaxscale.dynamic_loss_scaling(optax.chain(optax.sgd(0.1), optax.trace(0.9))),
