@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxscale import _scaler
+from jaxscale import _interpret, _scaler
 
 
 def value_and_grad(
@@ -73,6 +73,7 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
         state, "value_and_grad(fun)", " The scaler state comes first: `value_and_grad(fun)(scaler, *args)`."
     )
     _scaler.warn_if_constant(state, (args, kwargs), "value_and_grad")
+    _refuse_scaling_in_trace(fun, args, kwargs)
 
     def scaled_fun(*args, **kwargs):
       uses = {"scale": 0, "unscale": 0}
@@ -96,3 +97,37 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
     return value, grads, finite
 
   return wrapped
+
+
+def _refuse_scaling_in_trace(fun, args, kwargs) -> None:
+  """:func:`_scaler.refuse_scaling_inside` for a ``fun`` jitted on its own (``jax.jit(loss)``, or a
+  ``functools.partial`` of one), read from its jaxpr: traced before, it runs no Python when called
+  again, and only the marks that ``jaxscale.scale`` and ``unscale_and_check`` leave in the jaxpr
+  show what it does. ``trace`` reuses JAX's cached trace, so this costs no second trace."""
+  while isinstance(fun, functools.partial):
+    fun, args, kwargs = fun.func, (*fun.args, *args), {**fun.keywords, **kwargs}
+  trace = getattr(fun, "trace", None)
+  if not callable(trace) or not callable(getattr(fun, "lower", None)):
+    return
+  try:
+    closed = trace(*args, **kwargs).jaxpr
+  except Exception:  # noqa: BLE001  # the call itself, under `grad`, raises whatever is wrong
+    return
+  marks = _marks(closed.jaxpr)
+  _scaler.refuse_scaling_inside({"scale": marks[_scaler.SCALE_MARK], "unscale": marks[_scaler.UNSCALE_MARK]})
+
+
+def _marks(jaxpr) -> dict[str, int]:
+  """How many times each mark is called in ``jaxpr``, nested programs included; a gradient taken
+  inside counts a scale twice (forward and backward), hence any unscale excuses every scale."""
+  counts = {_scaler.SCALE_MARK: 0, _scaler.UNSCALE_MARK: 0}
+  for eqn in jaxpr.eqns:
+    name = eqn.params.get("name")
+    if name in counts:
+      counts[name] += 1
+    for sub in _interpret.subjaxprs(eqn.params):
+      for key, n in _marks(sub).items():
+        counts[key] += n
+  if counts[_scaler.UNSCALE_MARK]:
+    counts[_scaler.SCALE_MARK] = 0
+  return counts

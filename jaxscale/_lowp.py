@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxscale import _optax, _policy, _rounding, _skip, _tree
+from jaxscale import _optax, _policy, _rounding, _scaler, _skip, _tree
 
 # State types whose floating leaves are copies of the parameters (or anchors built from them):
 # 16 bits lose every update below half their ulp, the failure `master_weights` exists for.
@@ -158,11 +158,15 @@ def low_precision_state(
     _refuse_parameter_copies(inner_state)
     changing = _changing(inner, inner_state, params)
     leaves = jax.tree.leaves(inner_state, is_leaf=_tree.is_variable)
-    which = [c and _storable(_tree.unwrap_variable(x)) for x, c in zip(leaves, changing, strict=True)]
+    scaler = _scaler_leaves(inner_state)
+    which = [
+        c and not s and _storable(_tree.unwrap_variable(x)) for x, c, s in zip(leaves, changing, scaler, strict=True)
+    ]
     raw = seed if seed is not None else jax.random.PRNGKey(key)
     return LowPrecisionState(_encode(inner_state, which, raw), raw)
 
   def update_fn(updates, state, params=None, **extra_args):
+    _optax.require_own_state(state, LowPrecisionState, "low_precision_state")
     template = jax.eval_shape(inner.init, params) if params is not None else None
     inner_state = _decode(state.inner_state, template)
     updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
@@ -220,6 +224,18 @@ def _changing(inner, inner_state, params) -> list[bool]:
   except Exception:  # noqa: BLE001 (see the docstring)
     pass
   return changing
+
+
+def _scaler_leaves(inner_state) -> list[bool]:
+  """For each leaf of ``inner_state`` (an NNX Variable one leaf): whether it belongs to a loss
+  scaler's state (``low_precision_state(dynamic_loss_scaling(...))``), never stored in 16 bits:
+  its packed options and counters must stay exact, and its fields read its float32 arrays."""
+  is_scaler = lambda x: isinstance(x, _scaler.ScalerState)
+  marked = jax.tree.map(
+      lambda x: jax.tree.map(lambda _: True, x) if is_scaler(x) else False,
+      inner_state, is_leaf=lambda x: is_scaler(x) or _tree.is_variable(x),
+  )
+  return jax.tree.leaves(marked)
 
 
 def _is_array(x) -> bool:

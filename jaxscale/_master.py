@@ -165,6 +165,7 @@ def master_weights(
       raise ValueError(
           "`master_weights` needs the parameters: call `tx.update(grads, opt_state, params)`."
       )
+    _optax.require_own_state(state, MasterWeightsState, "master_weights")
     _check_params_match(params, state)
     full = _float32_params(params, state)
     grads = jax.tree.map(lambda g, p: g.astype(jnp.float32) if _is_narrow(p) else g, updates, params)

@@ -1,7 +1,10 @@
 """Metrics: the scaler's numbers as a flat dict of arrays, for any logger.
 
-Return ``metrics(opt_state)`` from the jitted step: the values stay on the device
-(no host sync inside the step), and the host reads them when it logs.
+Call ``metrics(opt_state)`` where you log, or return it from the jitted step: the values stay
+on the device (no host sync inside the step), and the host reads them when it logs. Outside
+``jit``, a stalled scaler raises here, as in :func:`jaxscale.find_scaler`: a run whose every
+step is skipped does not go on quietly. Inside ``jit`` nothing can be read without a host sync,
+so the dict reports ``stalled`` and the host checks it where it logs.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.core import Tracer
 
 from jaxscale import _optax, _scaler
 
@@ -24,6 +28,12 @@ def metrics(opt_state_or_scaler: Any) -> dict[str, jax.Array]:
   converting them to Python numbers (``float(...)``) does, so do that on the
   host at your logging cadence.
 
+  On a stalled scaler (see ``on_stall`` in :func:`jaxscale.init`), called
+  outside ``jit`` it raises, as :func:`jaxscale.find_scaler` does: that one
+  bool is read from the device. Inside ``jit`` it cannot, and the dict's
+  ``stalled`` says it: called where you log (outside the step) on the state
+  the step returned, it raises.
+
   Args:
     opt_state_or_scaler: a :class:`ScalerState`, or any optimizer state
       holding one (see :func:`find_scaler`).
@@ -33,6 +43,7 @@ def metrics(opt_state_or_scaler: Any) -> dict[str, jax.Array]:
 
   Raises:
     ValueError: if no scaler, or more than one, is found.
+    FloatingPointError: outside ``jit``, if the scaler has stalled.
 
   Examples:
     >>> import jaxscale
@@ -43,6 +54,9 @@ def metrics(opt_state_or_scaler: Any) -> dict[str, jax.Array]:
     Array(1024., dtype=float32)
   """
   scaler = opt_state_or_scaler
-  if not isinstance(scaler, _scaler.ScalerState):
-    scaler = _optax.scaler_of(opt_state_or_scaler)  # a stalled one too: `stalled` is reported
+  if isinstance(scaler, _scaler.ScalerState):
+    if not isinstance(scaler.stalled, Tracer):
+      _scaler.raise_if_stalled(scaler)
+  else:
+    scaler = _optax.find_scaler(opt_state_or_scaler)
   return {name: getattr(scaler, name) for name in _FIELDS}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -49,7 +51,11 @@ def dynamic_loss_scaling(
   invisible only to what the wrapper wraps: a momentum, a weight decay or a
   schedule *after* or *around* it would still act on it, so wrap every
   stateful or parameter-dependent transformation
-  (``dynamic_loss_scaling(optax.chain(optax.add_decayed_weights(1e-4), adam))``).
+  (``dynamic_loss_scaling(optax.chain(optax.add_decayed_weights(1e-4), adam))``):
+  :func:`find_scaler` refuses a state with any transformation after the
+  wrapper in an ``optax.chain``. float16 parameters that no
+  :func:`jaxscale.master_weights` keeps in float32 are warned about when the
+  update is traced.
 
   Each update checks the gradients (inf and NaN survive exact unscaling, so
   this is the check of the scaled ones), ANDs the ``finite`` flag of the
@@ -133,14 +139,9 @@ def dynamic_loss_scaling(
           f"{3 + len(positional)} positional arguments: write `tx.update(grads, state, params, "
           "finite=finite)`."
       )
-    if not (hasattr(state, "scaler") and hasattr(state, "inner_state")):
-      raise TypeError(
-          "`dynamic_loss_scaling`'s update takes the state its own `init` built (a "
-          f"`DynamicLossScalingState`), got an object of type {type(state).__name__}; build it "
-          "with `tx.init(params)` of this wrapped optimizer, not of the inner one (a checkpoint "
-          "restored without a target is a dict: restore it into the structure of `tx.init(params)`)."
-      )
+    require_own_state(state, DynamicLossScalingState, "dynamic_loss_scaling")
     _refuse_misspelt_finite(extra_args)
+    _warn_without_master(params, state.inner_state)
     if not enabled:
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
@@ -159,6 +160,44 @@ def dynamic_loss_scaling(
     return updates, DynamicLossScalingState(_scaler.update(state.scaler, checked), inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _warn_without_master(params, inner_state) -> None:
+  """Warns, at trace time, for float16 parameters that no ``master_weights`` keeps in float32:
+  ``inner``'s moments then live in float16 (Adam's second moment overflows at gradients of 256),
+  updates below half an ulp vanish, and the run soon goes NaN and skips every step."""
+  if params is None or any(
+      type(x).__name__ == "MasterWeightsState"
+      for x in jax.tree.leaves(inner_state, is_leaf=lambda x: type(x).__name__ == "MasterWeightsState")
+  ):
+    return
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  narrow = [jax.tree_util.keystr(path) for path, p in flat if getattr(p, "dtype", None) == jnp.float16]
+  if narrow:
+    shown = ", ".join(narrow[:3]) + (", ..." if len(narrow) > 3 else "")
+    warnings.warn(
+        f"jaxscale: `dynamic_loss_scaling` updates float16 parameters ({shown or 'the root'}) with no "
+        "float32 master copy: the inner optimizer's state and steps are then float16, its moments "
+        "overflow or flush, updates below half an ulp vanish, and the run goes NaN and skips every "
+        "step. Keep a master: `jaxscale.master_weights(jaxscale.dynamic_loss_scaling(inner))` (or "
+        "`method=\"kahan\"` for 2 bytes a parameter), or store the parameters in float32 and compute "
+        "in float16 (`jaxscale.autocast(fun, \"mixed_float16\")`).",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def require_own_state(state: Any, state_type: type, function: str) -> None:
+  """Raises a TypeError that says what to pass if ``state`` lacks ``state_type``'s fields (a
+  checkpoint restored without a target is a dict, whose fields an update would fail to read)."""
+  if all(hasattr(state, field) for field in state_type._fields):
+    return
+  raise TypeError(
+      f"`{function}`'s update takes the state its own `init` built (a `{state_type.__name__}`), got "
+      f"an object of type {type(state).__name__}; build it with `tx.init(params)` of this wrapped "
+      "optimizer, not of the inner one (a checkpoint restored without a target is a dict: restore "
+      "it into the structure of `tx.init(params)`)."
+  )
 
 
 def _refuse_misspelt_finite(extra_args):
@@ -210,7 +249,9 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
   Raises:
     ValueError: if ``opt_state`` holds no scaler, or more than one, or holds
       the wrapper inside ``optax.MultiSteps`` or ``optax.apply_if_finite``,
-      which would hide its decisions (the message says what to write).
+      which would hide its decisions, or a transformation after it in an
+      ``optax.chain``, which would act on its skipped steps (the message
+      says what to write).
     FloatingPointError: outside ``jit``, if the scaler has stalled (see
       ``on_stall`` in :func:`jaxscale.init`): every step since was skipped.
 
@@ -228,8 +269,7 @@ def find_scaler(opt_state: Any) -> _scaler.ScalerState:
 
 
 def scaler_of(opt_state: Any) -> _scaler.ScalerState:
-  """:func:`find_scaler` without the stall check: what :func:`jaxscale.metrics` reports,
-  ``stalled`` included."""
+  """:func:`find_scaler` without the stall check."""
   found = [
       _as_scaler(leaf)
       for leaf in jax.tree.leaves(opt_state, is_leaf=_is_scaler)
@@ -241,6 +281,8 @@ def scaler_of(opt_state: Any) -> _scaler.ScalerState:
         "`GradientTransformation`); pass `opt_state = tx.init(params)` (or `state.opt_state`)."
     )
   _refuse_hidden_decisions(opt_state)
+  if len(found) == 1:
+    _refuse_transformations_after(opt_state)
   if len(found) != 1:
     what = "no ScalerState" if not found else f"{len(found)} ScalerStates"
     raise ValueError(
@@ -280,6 +322,51 @@ def _refuse_hidden_decisions(opt_state):
   for node in jax.tree.leaves(opt_state, is_leaf=lambda x: hides(x) or _is_scaler(x)):
     if hides(node) and any(_is_scaler(x) for x in jax.tree.leaves(node, is_leaf=_is_scaler)):
       raise ValueError(f"The optimizer state holds {_HIDING[type(node)]}")
+
+
+def _refuse_transformations_after(node) -> None:
+  """Raises if, in an ``optax.chain``'s state (a plain tuple; ``optax.named_chain``'s, an
+  ``OrderedDict``), a transformation follows the one holding the scaler.
+
+  A skipped step is invisible only inside the wrapper: its ``-0.0`` updates go on through what
+  follows, and a momentum (``trace``) adds its velocity, a weight decay its ``wd * params``, a
+  schedule counts the step. A transformation's state is a ``NamedTuple`` (``EmptyState()`` for a
+  stateless one, which may be harmless, a clip, or not, a weight decay: they cannot be told
+  apart); the wrapper outermost is right for all, so every one after it is refused. A user's own
+  tuple (``(opt_state, params)``) holds no ``NamedTuple`` after the scaler, and passes.
+  """
+  while not _is_scaler(node):
+    children = jax.tree.leaves(node, is_leaf=lambda x: x is not node)
+    holding = [i for i, child in enumerate(children) if _holds_scaler(child)]
+    if len(holding) != 1:
+      return
+    i = holding[0]
+    chained = list(node) if type(node) is tuple else list(node.values()) if type(node) is OrderedDict else None
+    if chained is not None:
+      after = [x for child in chained[i + 1:] for x in jax.tree.leaves(child, is_leaf=_is_state) if _is_state(x)]
+      if after:
+        names = ", ".join(dict.fromkeys(type(x).__name__ for x in after))
+        raise ValueError(
+            f"The optimizer state holds a transformation after `dynamic_loss_scaling` in an "
+            f"`optax.chain` (its state: {names}). A skipped step is skipped only inside the wrapper: "
+            "what follows it still acts on it (a momentum applies its velocity, a weight decay "
+            "moves the parameters, a schedule counts the step). Wrap the whole chain instead, "
+            "`dynamic_loss_scaling(optax.chain(..., optax.add_decayed_weights(wd), ...))`; a "
+            "stateless transformation that must see the true gradients (a clip) may come before "
+            "the wrapper: `optax.chain(optax.clip_by_global_norm(1.0), dynamic_loss_scaling(inner))`. "
+            "(If this tuple is not a chain's state but two optimizers' states side by side, pass "
+            "`find_scaler` the one holding the scaler.)"
+        )
+    node = children[i]
+
+
+def _holds_scaler(tree) -> bool:
+  return any(_is_scaler(x) for x in jax.tree.leaves(tree, is_leaf=_is_scaler))
+
+
+def _is_state(x) -> bool:
+  """An optimizer state: optax's are ``NamedTuple``s (``EmptyState()`` included)."""
+  return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
 _PACKED = frozenset(_scaler.ScalerState._fields)  # its three leaves: floats, ints, flags

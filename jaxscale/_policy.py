@@ -16,6 +16,7 @@ bfloat16 has float32's exponent range, so its gradients do not underflow.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, TypeVar, Union
 
 import jax
@@ -208,6 +209,12 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     param, compute, output, *matmul = _PRESETS[text]
     return Policy(*(_dtype(name, spec) for name in (param, compute, output)), *matmul)
   if "=" not in text:
+    if text not in _NAMES:
+      raise ValueError(
+          f"Unknown policy {spec!r}: neither a preset ({', '.join(repr(p) for p in ('float32', *_PRESETS))}) "
+          f"nor a dtype ({', '.join(_NAMES)}), nor a 'key=dtype' list such as "
+          f"'params=float32,compute=float16,output=float32'.{_nearest(text, [*_PRESETS, *_NAMES])}"
+      )
     dtype = _dtype(text, spec)
     return Policy(dtype, dtype, dtype)
   chosen: dict[str, Any] = {}
@@ -229,11 +236,18 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
   return Policy(param, compute, chosen.get("output", compute), chosen.get("matmul"))
 
 
+def _nearest(text: str, names: list[str]) -> str:
+  """" Did you mean 'x'?" for the closest of ``names``, or "" if none is close."""
+  close = difflib.get_close_matches(text, names, n=1, cutoff=0.6)
+  return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def _dtype(name: str, spec: str) -> Any:
   if name not in _NAMES:
     raise ValueError(
         f"Unknown dtype {name!r} in policy {spec!r}; use one of {', '.join(_NAMES)}, "
         "or a preset: 'float32', 'mixed_float16', 'mixed_bfloat16', 'mixed_float8' (float8 matmuls)."
+        + _nearest(name, list(_NAMES))
     )
   dtype = _NAMES[name]
   if dtype is None:  # "half"

@@ -14,6 +14,9 @@ The rule (torch.amp.GradScaler's, plus bounds, hysteresis and a static mode)::
         hysteresis_tracker = max(hysteresis_tracker - 1, 0)
         if dynamic and hysteresis_tracker == 0:
             scale = max(scale * backoff_factor, min_scale, 2**-126)
+    a static scale (dynamic False) never backs off, so its hysteresis_tracker is
+    refilled at each finite step and counts on below 0 at each overflow: its
+    overflows in a row, past the tolerance, are -hysteresis_tracker
 
 With the defaults (``hysteresis=1``, ``min_scale=0``, ``max_scale=inf``) this is
 exactly torch's ``_amp_update_scale_``, except that the scale never backs off
@@ -22,6 +25,11 @@ after 143 overflows in a row from 2**16, a subnormal that XLA flushes to 0:
 every later step would then be skipped). Hysteresis follows Megatron-LM's
 ``DynamicGradScaler``: the tolerance is spent by non-finite steps and refilled
 only when the scale grows (DeepSpeed refills it on every finite step instead).
+
+A run stalls (see ``on_stall``) on an overflow with the scale already at its
+floor; a static scale, on an overflow after as many in a row, past its
+hysteresis, as halving it would take to reach that floor: where a dynamic
+scale halving from it would have stalled.
 """
 
 from __future__ import annotations
@@ -108,7 +116,7 @@ class ScalerState(NamedTuple):
   min_scale = _Slot("floats", 3)
   max_scale = _Slot("floats", 4)
   growth_tracker = _Slot("ints", 0)  # finite steps since the last growth or backoff
-  hysteresis_tracker = _Slot("ints", 1)  # non-finite steps still tolerated before a backoff
+  hysteresis_tracker = _Slot("ints", 1)  # non-finite steps still tolerated before a backoff (static: < 0 past it)
   skipped_steps = _Slot("ints", 2)  # total skipped steps (saturating)
   growth_interval = _Slot("ints", 3)
   hysteresis = _Slot("ints", 4)
@@ -204,10 +212,14 @@ def init(
       ``min_scale`` for ``on_stall``.
     max_scale: the scale never grows above this.
     dynamic: False keeps the scale fixed at ``init_scale`` (a static loss
-      scale); non-finite steps are still skipped and counted.
+      scale); non-finite steps are still skipped and counted, and a run of
+      them stalls as ``on_stall`` says.
     on_stall: what happens when a step overflows while the scale is already
       at ``min_scale`` (or at 2**-126), as in a run whose every step holds an
-      inf or a NaN whatever the scale. ``"raise"`` (the default) sets the sticky
+      inf or a NaN whatever the scale; for a static scale (``dynamic=False``),
+      when a step overflows after as many overflows in a row as halving the
+      scale would take to reach that floor (143 from 2**16), where a dynamic
+      scale would have stalled. ``"raise"`` (the default) sets the sticky
       ``stalled`` flag, skips every later step (the parameters stay at their
       last good values) and makes :func:`raise_if_stalled` raise, and with it
       :func:`jaxscale.find_scaler` and :func:`jaxscale.metrics` outside
@@ -460,10 +472,12 @@ def scale(state: ScalerState, tree: Any) -> Any:
         f"floating leaf), but got leaves of dtypes {dtypes}."
     )
 
+  warn_if_constant(state, tree, "scale")
   uses = _uses_here.get()
   if uses is not None:  # inside `jaxscale.value_and_grad`'s loss function: it counts them
     uses["scale"] += 1
-  return scale_unchecked(state, tree)
+  factor = _scaled_by_jaxscale(state.scale)
+  return jax.tree.map(lambda x: _times(x, factor), tree)
 
 
 def scale_unchecked(state: ScalerState, tree: Any) -> Any:
@@ -475,6 +489,22 @@ def scale_unchecked(state: ScalerState, tree: Any) -> Any:
 # `jaxscale.scale` and `jaxscale.unscale_and_check`. A dynamic scope, set and reset around the call:
 # the verdict depends on the call in progress, never on what ran before.
 _uses_here: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxscale_uses_here", default=None)
+
+
+# Marks in a traced program: each a jitted identity, named, that XLA removes. A loss function
+# jitted on its own and traced before runs no Python when `value_and_grad` calls it (JAX reuses its
+# trace), so `_uses_here` counts nothing there; its jaxpr still shows these names.
+SCALE_MARK, UNSCALE_MARK = "_scaled_by_jaxscale", "_unscaled_by_jaxscale"
+
+
+@jax.jit
+def _scaled_by_jaxscale(x):
+  return x
+
+
+@jax.jit
+def _unscaled_by_jaxscale(x):
+  return x
 
 
 def refuse_scaling_inside(uses: dict) -> None:
@@ -564,6 +594,7 @@ def unscale_and_check(
   uses = _uses_here.get()
   if uses is not None:
     uses["unscale"] += 1
+  state = state._replace(floats=_unscaled_by_jaxscale(state.floats))
   return unscale_and_check_unchecked(state, grads, axis_name=axis_name)
 
 
@@ -717,7 +748,9 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   require_state(state, "update")
   finite = as_flag(finite) & ~state.stalled
   dynamic = state.dynamic
-  hysteresis_left = jnp.where(finite, state.hysteresis_tracker, jnp.maximum(state.hysteresis_tracker - 1, 0))
+  spent = jnp.where(dynamic, jnp.maximum(state.hysteresis_tracker - 1, 0), _decrement(state.hysteresis_tracker))
+  refilled = jnp.where(dynamic, state.hysteresis_tracker, state.hysteresis)
+  hysteresis_left = jnp.where(finite, refilled, spent)
   tracker = jnp.where(finite, optax.safe_increment(state.growth_tracker), 0)
   grow = dynamic & finite & (tracker >= state.growth_interval)
   back_off = dynamic & ~finite & (hysteresis_left == 0)
@@ -729,7 +762,9 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   # flushes it to 0, and 0 * inf = NaN would skip every later step.
   floor = jnp.maximum(state.min_scale, _TINY)
   backed_off = jnp.maximum(state.scale * state.backoff_factor, floor)
-  at_floor = state.scale <= floor
+  # A static scale is "at its floor" once its overflows in a row past the tolerance are as many as
+  # the halvings that would bring it there: where the dynamic default would be by now.
+  at_floor = jnp.where(dynamic, state.scale <= floor, jnp.maximum(-hysteresis_left, 0) >= _halvings(state.scale, floor))
 
   new = state.replace(
       scale=jnp.where(grow, grown, jnp.where(back_off, backed_off, state.scale)),
@@ -737,9 +772,25 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
       hysteresis_tracker=jnp.where(grow, state.hysteresis, hysteresis_left),
       skipped_steps=jnp.where(finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)),
       last_skipped=~finite,
-      stalled=state.stalled | (state.raise_on_stall & dynamic & ~finite & at_floor),
+      stalled=state.stalled | (state.raise_on_stall & ~finite & at_floor),
   )
   return jax.tree.map(lambda n, o: jnp.where(state.enabled[..., None], n, o), new, state)
+
+
+def _decrement(count: jax.Array) -> jax.Array:
+  """``count - 1``, saturating at int32's lowest value (a static scale counting overflows)."""
+  return jnp.maximum(count, _INT32.min + 1) - 1
+
+
+def _halvings(scale: jax.Array, floor: jax.Array) -> jax.Array:
+  """The fewest halvings that bring ``scale`` to ``floor`` or below (0 if it is there), exactly.
+
+  For ``scale = ms * 2**es`` and ``floor = mf * 2**ef`` (mantissas in [0.5, 1)): ``es - ef``,
+  one more when ``ms > mf``. No float division, which would overflow for 2**127 / 2**-126.
+  """
+  ms, es = jnp.frexp(scale)
+  mf, ef = jnp.frexp(floor)
+  return jnp.maximum(es - ef + (ms > mf).astype(es.dtype), 0)
 
 
 def as_flag(finite: Any) -> jax.Array:
@@ -795,6 +846,15 @@ def raise_if_stalled(state: ScalerState) -> None:
     indices = np.flatnonzero(stalled) if stalled.ndim == 1 else np.argwhere(stalled)
     which = f" (scalers {indices.tolist()} of a batch of shape {stalled.shape})"
     floor = np.unique(np.broadcast_to(floor, stalled.shape)[stalled])
+  static = ~np.broadcast_to(np.asarray(jax.device_get(state.dynamic)), stalled.shape)
+  if static[stalled].all():
+    raise FloatingPointError(
+        f"jaxscale: the static loss scale (`dynamic=False`){which} overflowed on every step for as "
+        "many steps in a row as halving it would take to reach its floor; every step since has been "
+        "skipped and the parameters hold their last finite values. Look for the source of the "
+        "inf/NaN in the model, or let the scale adapt: `dynamic=True` (the default), or a lower "
+        "`init_scale`."
+    )
   raise FloatingPointError(
       f"jaxscale: a step overflowed while the loss scale was already at `min_scale` "
       f"({_floor_text(floor)}){which}; every step since has been skipped and the parameters hold "

@@ -67,6 +67,8 @@ class ReferenceScaler:
     finite = finite and not self.stalled
     if finite:
       self.growth_tracker = min(self.growth_tracker + 1, INT32_MAX)
+      if not self.dynamic:  # a static scale's tolerance counts overflows in a row: refilled here
+        self.hysteresis_tracker = self.hysteresis
       if self.dynamic and self.growth_tracker >= self.growth_interval:
         with np.errstate(over="ignore"):
           grown = self.scale * self.growth_factor
@@ -80,10 +82,20 @@ class ReferenceScaler:
       at_floor = self.scale <= floor
       self.skipped_steps = min(self.skipped_steps + 1, INT32_MAX)
       self.growth_tracker = 0
-      self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
+      if self.dynamic:
+        self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
+      else:  # below 0: the overflows in a row past the tolerance
+        self.hysteresis_tracker = max(self.hysteresis_tracker - 1, -(2**31))
       if self.dynamic and self.hysteresis_tracker == 0:
         self.scale = max(self.scale * self.backoff_factor, floor)
-      if self.raise_on_stall and self.dynamic and at_floor:
+      if not self.dynamic:  # stalled where halving from this scale would have reached the floor
+        halved = self.scale
+        for _ in range(max(-self.hysteresis_tracker, 0)):
+          halved = halved / 2  # exact, or 0 (then below any floor)
+          if halved <= floor:
+            break
+        at_floor = halved <= floor
+      if self.raise_on_stall and at_floor:
         self.stalled = True
     self.last_skipped = not finite
     return finite

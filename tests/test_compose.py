@@ -289,3 +289,74 @@ def test_a_clip_in_front_trains_like_clip_and_inner_on_the_true_gradients():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=4e-7 * (i + 1)), w, want)
   scaler = jaxscale.find_scaler(opt_state)
   assert float(scaler.scale) == SCALE / 2 and int(scaler.skipped_steps) == 1
+
+
+# --- what follows the wrapper in a chain acts on its skipped steps: refused, the wrapper outermost --
+
+AFTER = {
+    "momentum_after": lambda: optax.chain(jaxscale.dynamic_loss_scaling(optax.sgd(0.1)), optax.trace(0.9)),
+    "adamw_by_hand": lambda: optax.chain(
+        jaxscale.dynamic_loss_scaling(optax.scale_by_adam()), optax.add_decayed_weights(1e-2),
+        optax.scale_by_learning_rate(optax.linear_schedule(1e-2, 0.0, 100))),
+    "adamw_by_hand_constant_lr": lambda: optax.chain(
+        jaxscale.dynamic_loss_scaling(optax.scale_by_adam()), optax.add_decayed_weights(1e-2),
+        optax.scale_by_learning_rate(1e-2)),
+    "nested_chain": lambda: optax.chain(optax.chain(jaxscale.dynamic_loss_scaling(optax.sgd(0.1))), optax.trace(0.9)),
+    "named_chain": lambda: optax.named_chain(("scaled", jaxscale.dynamic_loss_scaling(optax.sgd(0.1))),
+                                             ("momentum", optax.trace(0.9))),
+}
+OUTERMOST = {
+    "momentum_after": lambda: jaxscale.dynamic_loss_scaling(optax.chain(optax.sgd(0.1), optax.trace(0.9))),
+    "adamw_by_hand": lambda: jaxscale.dynamic_loss_scaling(optax.chain(
+        optax.scale_by_adam(), optax.add_decayed_weights(1e-2),
+        optax.scale_by_learning_rate(optax.linear_schedule(1e-2, 0.0, 100)))),
+}
+POISONED = [{"w": jnp.array([0.5, -1.0, 2.0])}, {"w": jnp.array([0.5, jnp.inf, 2.0])}]
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+@pytest.mark.parametrize("name", AFTER)
+def test_a_transformation_after_the_wrapper_is_refused_where_the_scaler_is_found(name, wrap):
+  tx = AFTER[name]()
+  opt_state = tx.init(W)
+  with pytest.raises(ValueError, match=r"transformation after `dynamic_loss_scaling`.*Wrap the whole chain"):
+    wrap(jaxscale.find_scaler)(opt_state)
+  with pytest.raises(ValueError, match="transformation after `dynamic_loss_scaling`"):
+    wrap(jaxscale.metrics)(opt_state)
+  # Why: fed the gradient site's true gradients without `find_scaler`, the skipped step moves W.
+  _, opt_state = tx.update(POISONED[0], opt_state, W)
+  updates, _ = tx.update(POISONED[1], opt_state, W)
+  assert_trees_differ(optax.apply_updates(W, updates), W)
+
+
+@pytest.mark.parametrize("name", OUTERMOST)
+def test_the_wrapper_outermost_skips_what_it_wraps_bit_for_bit(name):
+  tx = OUTERMOST[name]()
+
+  @jax.jit
+  def step(w, opt_state, g):
+    _, grads, finite = jaxscale.value_and_grad(linear_loss)(jaxscale.find_scaler(opt_state), w, g)
+    updates, opt_state = tx.update(grads, opt_state, w, finite=finite)
+    return optax.apply_updates(w, updates), opt_state
+
+  w, opt_state = step(W, tx.init(W), POISONED[0])
+  after, new_state = step(w, opt_state, POISONED[1])
+  assert_trees_equal(after, w)  # the momentum, the weight decay and the schedule all skipped
+  assert_trees_equal(new_state.inner_state, opt_state.inner_state)
+
+
+def test_nnx_and_linen_states_with_a_transformation_after_the_wrapper_are_refused():
+  from flax import nnx
+  from flax.training import train_state
+
+  tx = AFTER["momentum_after"]()
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  with pytest.raises(ValueError, match="transformation after `dynamic_loss_scaling`"):
+    jaxscale.find_scaler(optimizer.opt_state)
+  state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(3)}, tx=tx)
+  with pytest.raises(ValueError, match="transformation after `dynamic_loss_scaling`"):
+    jax.jit(jaxscale.find_scaler)(state)
+  # A clip in front, and a user's own tuple around the state, pass.
+  ok = optax.chain(optax.clip_by_global_norm(1.0), jaxscale.dynamic_loss_scaling(optax.sgd(0.1)))
+  jaxscale.find_scaler((ok.init(W), {"w": jnp.ones(3)}))

@@ -25,11 +25,13 @@ def loss(params, weights):
 
 @pytest.fixture
 def problem():
+  """float16 parameters without a master on purpose: their float16 gradient is what overflows."""
   params = {"w": jnp.ones(4, jnp.float16)}
   tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-3), init_scale=1.0)
   return params, tx, tx.init(params)
 
 
+@pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling` updates float16 parameters")
 def test_a_returned_gradient_that_overflowed_in_its_cast_skips_the_step(problem):
   params, tx, state = problem
 
@@ -46,6 +48,7 @@ def test_a_returned_gradient_that_overflowed_in_its_cast_skips_the_step(problem)
   jax.tree.map(np.testing.assert_array_equal, new_state.inner_state, state.inner_state)
 
 
+@pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling` updates float16 parameters")
 def test_a_gradient_kept_inside_the_step_never_corrupts_the_parameters(problem):
   """Not returned, the cast may be folded: skipped or taken, the step must be consistent."""
   params, tx, state = problem

@@ -428,3 +428,49 @@ def test_master_weights_and_the_state_draw_independent_numbers():
   state_up = np.asarray(state.inner_state.inner_state.trace.values, np.float32) > 1
   assert 0.4 < param_up.mean() < 0.6 and 0.4 < state_up.mean() < 0.6
   assert 0.45 < np.mean(param_up == state_up) < 0.55  # 4096 draws: 3 standard errors is 0.023
+
+
+# --- a scaler inside is never stored in 16 bits; a state restored without a target is told ---------
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_a_scaler_inside_stays_float32_and_steps_as_the_right_nesting(wrap):
+  # `master_weights(low_precision_state(dynamic_loss_scaling(adam)))`: the scaler's packed options
+  # and counters pass through untouched, and it scales, backs off and grows as in the documented
+  # `master_weights(dynamic_loss_scaling(low_precision_state(adam)))`.
+  options = dict(init_scale=3.0 * 2.0**10, growth_interval=2, backoff_factor=0.3)  # not bfloat16-exact
+  adam = optax.adam(1e-3)
+  inside = jaxscale.master_weights(jaxscale.low_precision_state(jaxscale.dynamic_loss_scaling(adam, **options)))
+  right = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(adam), **options))
+  params = params16()
+  states = [inside.init(params), right.init(params)]
+  for i in range(5):
+    grads = grads_at(i, params)
+    states = [wrap(tx.update)(grads, s, params)[1] for tx, s in zip((inside, right), states)]
+    found = [jaxscale.find_scaler(s) for s in states]
+    assert all(leaf.dtype in (jnp.float32, jnp.int32, jnp.bool_) for leaf in jax.tree.leaves(found[0]))
+    assert bits(found[0]) == bits(found[1]), i
+    assert jaxscale.metrics(states[0]).keys() == jaxscale.metrics(states[1]).keys()
+  # Grown at step 1, backed off at step 2 (the inf), grown at step 4: float32 arithmetic.
+  assert float(found[0].scale) == np.float32(np.float32(6144.0) * np.float32(0.3)) * 2
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_a_state_restored_without_a_target_says_what_to_do(wrap):
+  import flax.serialization
+
+  params = params16()
+  stack = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(optax.adam(1e-3))))
+  for tx, name in ((jaxscale.low_precision_state(optax.adam(1e-3)), "low_precision_state"), (stack, "master_weights")):
+    restored = flax.serialization.msgpack_restore(flax.serialization.to_bytes(tx.init(params)))  # nested dicts
+    grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
+    told = rf"`{name}`'s update takes the state its own `init` built.*got an object of type dict.*"
+    with pytest.raises(TypeError, match=told + r"restore it into the structure of `tx.init\(params\)`"):
+      wrap(tx.update)(grads, restored, params)
+  # Where only the inner part came back as a dict, the transformation holding it says so.
+  tx = jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(optax.adam(1e-3)))
+  params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  state = tx.init(params)
+  state = state._replace(inner_state=flax.serialization.to_state_dict(state.inner_state))
+  with pytest.raises(TypeError, match="`low_precision_state`'s update takes the state its own `init` built"):
+    wrap(tx.update)(grads, state, params)

@@ -3,6 +3,8 @@ exactly, tiny true gradients kept by a float32 unscale, skipped steps, chain, Or
 the wrong nesting refused, and plain float16 Adam stalling on real data where the master copy keeps
 learning; the Kahan and stochastic-rounding methods against float64 references."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -483,3 +485,71 @@ def test_zero_size_parameters(method):
   assert new["empty"].shape == (0, 3) and new["empty"].dtype == jnp.float16
   np.testing.assert_array_equal(new["w"], np.full(4, 0.75, np.float16))  # exact in float16: no rounding
 
+
+
+# --- float16 parameters with no master: the scaler sees their dtype and says what to write ---------
+
+FLOAT16_NO_MASTER = (
+    r"updates float16 parameters .* no float32 master copy"
+    r".*jaxscale.master_weights\(jaxscale.dynamic_loss_scaling\(inner\)\)"
+)
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_float16_parameters_without_a_master_warn_at_trace_time(wrap):
+  params = {"w": jnp.ones(3, jnp.float16), "b": jnp.zeros(1)}
+  tx = optax.chain(optax.clip_by_global_norm(1.0), jaxscale.dynamic_loss_scaling(optax.adam(1e-3)))
+  grads = {"w": jnp.ones(3, jnp.float32), "b": jnp.ones(1)}
+  with pytest.warns(UserWarning, match=FLOAT16_NO_MASTER):
+    wrap(tx.update)(grads, tx.init(params), params)
+  # With a master (either nesting), or bfloat16 parameters (float32's range), not a word.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for right in (jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.adam(1e-3))),
+                  jaxscale.dynamic_loss_scaling(jaxscale.master_weights(optax.adam(1e-3)))):
+      wrap(right.update)(grads, right.init(params), params)
+    bf16 = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros(1)}
+    wrap(tx.update)(grads, tx.init(bf16), bf16)
+
+
+def test_an_nnx_model_with_float16_parameters_and_no_master_warns():
+  from flax import nnx
+
+  import jaxscale.flax
+
+  model = nnx.Linear(2, 1, param_dtype=jnp.float16, rngs=nnx.Rngs(0))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), jaxscale.dynamic_loss_scaling(optax.adam(1e-3)))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    loss = lambda model: jnp.mean(model(x).astype(jnp.float32) ** 2)
+    _, grads, finite = jaxscale.flax.value_and_grad(loss)(jaxscale.find_scaler(optimizer.opt_state), model)
+    optimizer.update(model, grads)
+
+  with pytest.warns(UserWarning, match=FLOAT16_NO_MASTER):
+    step(model, optimizer, jnp.ones((4, 2)))
+  right = nnx.Optimizer(model, jaxscale.master_weights(tx), wrt=nnx.Param)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    step(model, right, jnp.ones((4, 2)))
+
+
+# --- a checkpoint restored without a target: what to write, not an AttributeError ----------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_state_restored_without_a_target_says_what_to_do(method):
+  import flax.serialization
+
+  params = f16_params()
+  tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.adam(1e-3)), method=method)
+  restored = flax.serialization.msgpack_restore(flax.serialization.to_bytes(tx.init(params)))  # nested dicts
+  grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
+  for wrap in (jax.jit, lambda f: f):
+    told = r"`master_weights`'s update takes the state its own `init` built .*got an object of type dict.*"
+    with pytest.raises(TypeError, match=told + r"restore it into the structure of `tx.init\(params\)`"):
+      wrap(tx.update)(grads, restored, params)
+  # Restored into the target, it continues as the saved state would.
+  again = flax.serialization.from_bytes(tx.init(params), flax.serialization.to_bytes(tx.init(params)))
+  chex_equal(tx.update(grads, again, params), tx.update(grads, tx.init(params), params))

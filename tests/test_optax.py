@@ -207,6 +207,8 @@ def test_the_flag_of_the_gradient_site_decides_as_the_wrappers_own_check_does():
   assert_bitwise_equal(skip_state.inner_state, state.inner_state)
 
 
+# float16 parameters without a master on purpose: the dtypes the wrapper keeps are what is checked.
+@pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling` updates float16 parameters")
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=["f16", "bf16", "f32"])
 def test_low_precision_gradients_keep_their_dtype(dtype):
   params = jax.tree.map(lambda p: p.astype(dtype), PARAMS)
@@ -284,6 +286,8 @@ def test_a_stalled_scaler_skips_every_later_step_in_the_wrapper(wrap):
     jaxscale.raise_if_stalled(after.scaler)
 
 
+# float16 parameters without a master on purpose: the dtypes the wrapper keeps are what is checked.
+@pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling` updates float16 parameters")
 @pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=["f32", "f16", "bf16"])
 def test_skipped_updates_are_negative_zero_so_negative_zero_parameters_keep_their_sign(wrap, dtype):
@@ -384,6 +388,8 @@ def test_a_jitted_skipped_step_keeps_the_state_and_has_zero_derivatives(make):
   assert all(not np.asarray(x).any() for x in jax.tree.leaves(d))
 
 
+# float16 parameters without a master on purpose: the dtypes the wrapper keeps are what is checked.
+@pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling` updates float16 parameters")
 @pytest.mark.parametrize("path", ["jit", "eager"])
 def test_a_skipped_step_keeps_every_dtype(path):
   """float16 parameters, an int32 step count: a skipped step's updates and state keep their dtypes."""

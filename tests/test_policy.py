@@ -160,3 +160,18 @@ def test_needs_loss_scaling_as_enabled(spec):
   np.testing.assert_array_equal(optax.apply_updates(params, updates), jnp.full(3, 0.8))
   assert float(scaler.scale) == (4.0 if spec == "mixed_float16" else 1.0)
 
+
+
+@pytest.mark.parametrize("typo, nearest", [("mixed_float61", "mixed_float16"), ("mixed-bfloat16", "mixed_bfloat16"),
+                                           ("mixed_flaot8", "mixed_float8"), ("bfloat61", "bfloat16")])
+def test_a_misspelt_preset_is_named_a_policy_and_the_nearest_name_suggested(typo, nearest):
+  with pytest.raises(ValueError) as error:
+    jaxscale.get_policy(typo)
+  message = str(error.value)
+  assert message.startswith(f"Unknown policy {typo!r}: neither a preset") and "Unknown dtype" not in message
+  assert message.endswith(f"Did you mean {nearest!r}?")
+  with pytest.raises(ValueError, match=r"Unknown dtype 'flaot16' in policy 'c=flaot16'.*Did you mean 'float16'\?"):
+    jaxscale.get_policy("c=flaot16")
+  with pytest.raises(ValueError) as error:
+    jaxscale.get_policy("zzz")
+  assert "Did you mean" not in str(error.value)

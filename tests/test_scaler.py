@@ -24,6 +24,9 @@ OPTION_SETS = {
     "hysteresis_3": dict(init_scale=2.0**10, growth_interval=4, hysteresis=3),
     "bounded": dict(init_scale=4.0, growth_interval=1, min_scale=0.25, max_scale=64.0),
     "static": dict(init_scale=128.0, growth_interval=1, dynamic=False),
+    "static_near_its_floor": dict(init_scale=2.0**-121, dynamic=False),  # stalls after 6 overflows in a row
+    "static_odd_floor": dict(init_scale=3.0, min_scale=0.5, hysteresis=2, dynamic=False),
+    "static_at_its_floor": dict(init_scale=1.0, min_scale=1.0, hysteresis=2, dynamic=False),  # at once, as dynamic
     "growth_overflows_float32": dict(init_scale=2.0**126, growth_interval=1),
     "backoff_to_float32_floor": dict(init_scale=2.0**-120, backoff_factor=0.25, growth_interval=5),
 }
@@ -516,3 +519,55 @@ def test_a_state_inside_a_trace_shows_its_fields_as_tracers():
   assert re.match(r"ScalerState\(scale=\S*float32\[\]", shown[0]), shown[0]
   assert re.search(r", skipped_steps=\S*int32\[\]", shown[0]), shown[0]
   assert re.search(r", enabled=\S*bool\[\]\S*\)$", shown[0]), shown[0]
+
+
+# --- a static scale whose every step overflows stalls where the dynamic default would ---------------
+
+
+@pytest.mark.parametrize("update", [jaxscale.update, jit_update], ids=["eager", "jit"])
+@pytest.mark.parametrize("init_scale, hysteresis", [(2.0**16, 1), (1.0, 1), (1000.0, 3), (2.0**-126, 2)])
+def test_a_static_scale_whose_every_step_overflows_stalls_where_a_dynamic_one_does(update, init_scale, hysteresis):
+  options = dict(init_scale=init_scale, hysteresis=hysteresis)
+  static, dynamic = jaxscale.init(**options, dynamic=False), jaxscale.init(**options)
+  for step in range(300):
+    static, dynamic = update(static, jnp.asarray(False)), update(dynamic, jnp.asarray(False))
+    assert bool(static.stalled) == bool(dynamic.stalled), step
+  assert bool(static.stalled) and float(static.scale) == f32(init_scale) and int(static.skipped_steps) == 300
+  with pytest.raises(FloatingPointError, match=r"static loss scale \(`dynamic=False`\) overflowed on every step"):
+    jaxscale.raise_if_stalled(static)
+  with pytest.raises(FloatingPointError, match="static loss scale"):
+    jaxscale.find_scaler({"scaler": static})
+
+
+def test_a_static_scale_counts_overflows_in_a_row_only():
+  state = jaxscale.init(init_scale=2.0**-120, dynamic=False)  # stalls at the 7th overflow in a row
+  for finite in [False] * 6 + [True] + [False] * 6:
+    state = jit_update(state, jnp.asarray(finite))
+  assert not bool(state.stalled) and int(state.hysteresis_tracker) == 1 - 6
+  assert bool(jit_update(state, jnp.asarray(False)).stalled)
+  skip = jaxscale.init(init_scale=2.0**-120, dynamic=False, on_stall="skip")
+  for _ in range(20):
+    skip = jit_update(skip, jnp.asarray(False))
+  assert not bool(skip.stalled) and int(skip.skipped_steps) == 20
+
+
+def test_a_static_scale_in_a_training_step_raises_as_the_dynamic_one_does():
+  params = {"w": jnp.ones(3)}
+  for dynamic in (True, False):
+    tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=2.0**-124, dynamic=dynamic)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+      loss = lambda p: jnp.sum(p["w"] * jnp.nan)  # a NaN model: every step overflows
+      _, grads, finite = jaxscale.value_and_grad(loss)(jaxscale.find_scaler(opt_state), params)
+      updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
+      return optax.apply_updates(params, updates), opt_state
+
+    for _ in range(2):
+      params, opt_state = step(params, opt_state)
+    jaxscale.find_scaler(opt_state)  # not yet
+    params, opt_state = step(params, opt_state)
+    with pytest.raises(FloatingPointError, match="every step since has been skipped"):
+      jaxscale.find_scaler(opt_state)
+  np.testing.assert_array_equal(params["w"], jnp.ones(3))
