@@ -38,7 +38,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
-  # The docstrings' examples run wherever jaxscale's own code does: a marker lets nox select them.
+  # The docstrings' examples get a marker too, so that nox's sessions select them as they do the tests.
   for item in items:
     if isinstance(item, pytest.DoctestItem):
       item.add_marker(pytest.mark.docstring)

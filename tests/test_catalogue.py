@@ -217,11 +217,11 @@ def one_per_signature():
   return sorted(chosen.values())
 
 
-# The whole catalogue runs with the newest optax (CI's full run), one transformation of each
-# signature in the fast tier: the rest goes through the same jaxscale code as one of those. noxfile.py's
-# sessions on other JAX releases set JAXSCALE_CATALOGUE=one-per-signature: what differs between JAX
-# releases is how jaxscale's compiled skip and storage treat each kind of state leaf, which one
-# transformation of each signature shows, at a quarter of the compilations.
+# The whole catalogue runs with the newest optax in CI's full run, one transformation of each
+# signature in the fast tier (the others go through the same jaxscale code as one of those).
+# noxfile.py's sessions on other JAX releases set JAXSCALE_CATALOGUE=one-per-signature: what differs
+# between JAX releases is how jaxscale's compiled skip and storage treat each kind of state leaf,
+# which one transformation of each signature shows, at a quarter of the compilations.
 ONE_PER_SIGNATURE = one_per_signature()
 TESTED = ONE_PER_SIGNATURE if os.environ.get("JAXSCALE_CATALOGUE") == "one-per-signature" else [
     name if name in ONE_PER_SIGNATURE else pytest.param(name, marks=pytest.mark.slow) for name in sorted(CATALOGUE)

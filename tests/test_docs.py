@@ -113,7 +113,7 @@ def run_page(path: pathlib.Path, name: str) -> list[str]:
   return skipped
 
 
-# README's examples run in the fast tier, the docs pages' (a minute of CPU time together) in the full run.
+# README's examples run in the fast tier, the docs pages' (about a minute of CPU time) in the full run.
 TIERED = [p if p.name == "README.md" else pytest.param(p, marks=pytest.mark.slow) for p in PAGES]
 
 

@@ -1,7 +1,8 @@
 """The 8-device tests (tests/distributed) and the data-parallel example, each in its own process.
 
 They need 8 simulated CPU devices, which JAX creates only if told before it starts, so they run in
-a child process; this module makes `python -m pytest` run them, within a time limit.
+a child process; this module makes the full run (`python -m pytest -m "slow or not slow"`) run
+them, within a time limit.
 """
 
 import pytest
