@@ -36,6 +36,14 @@ def pytest_configure(config):
                     int(os.environ.get("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", 0)))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+  # The docstrings' examples get a marker too, so that nox's sessions select them as they do the tests.
+  for item in items:
+    if isinstance(item, pytest.DoctestItem):
+      item.add_marker(pytest.mark.docstring)
+
+
 def pytest_unconfigure(config):
   if os.environ.get(_CACHE_OWNER) == str(os.getpid()):
     shutil.rmtree(os.environ.pop("JAX_COMPILATION_CACHE_DIR"), ignore_errors=True)

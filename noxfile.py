@@ -4,16 +4,18 @@
     nox -s tests-oldest   # the lower bounds of pyproject.toml, pinned exactly
     nox -s tests-3.13 tests-3.12   # the newest JAX the index serves there (newer than 3.11 gets)
 
-What each session runs, and why. README's test command (CI runs it first, on Python 3.11) runs every
-test once. The other sessions exist for the other JAX releases, so they run what depends on JAX:
-the code that reads jaxprs (autocast, precision_report, float8), the scaler's and the wrapper's
-compiled behaviour, low-precision state, master weights, the integrations and the 8-device and
-multi-process runs. They leave out what does not:
+What each session runs, and why, selected by the markers the test modules set (pyproject.toml's
+`markers`). README's test command runs the fast tier (what is not marked `slow`); CI runs every
+test once, on Python 3.11 (`-m "slow or not slow"`), and each session here runs the slow tests of
+what it selects. The other sessions exist for the other JAX releases, so they run what depends on
+JAX: the code that reads jaxprs (autocast, precision_report, float8), the scaler's and the
+wrapper's compiled behaviour, low-precision state, master weights, the integrations and the
+8-device and multi-process runs. They leave out what does not:
 
-- NEWEST_ONLY: the examples, the docs pages, the peers' guides and the benchmark's peers. They test
+- `newest_only`: the examples, the docs pages, the peers' guides and the benchmark's peers. They test
   what users run with the newest releases (and the peers' own newest versions), not jaxscale's
   lower bounds, and they are a third of the suite's time.
-- VERSION_INDEPENDENT: pure-Python checks (the version, the changelog, the extras named when
+- `version_independent`: pure-Python checks (the version, the changelog, the extras named when
   missing, the public names documented).
 - Repetitions whose breadth tests Python logic, not JAX: the optax catalogue runs one
   transformation per state signature (JAXSCALE_CATALOGUE, tests/test_catalogue.py: what differs
@@ -23,14 +25,15 @@ multi-process runs. They leave out what does not:
 
 A fresh install on Python 3.12 or newer gets a newer JAX than one on 3.11 (0.12.0.1 against 0.10.2
 on 2026-11-26), and the same one on 3.12 and 3.13. tests-3.13 runs the jaxpr readers and the
-docstrings; tests-3.12 the rest of the library's tests, and the jaxpr readers too unless tests-3.13
-ran before it in the same `nox` call on the same JAX (so `nox -s tests-3.12` alone runs them all).
+docstrings (`jaxpr`, `docstring`); tests-3.12 the rest of the library's tests but the
+multi-process runs (`multihost`), and the jaxpr readers too unless tests-3.13 ran before it in the
+same `nox` call on the same JAX (so `nox -s tests-3.12` alone runs them all).
 
 The oldest session pins jax, jaxlib, optax and flax to the lower bounds in pyproject.toml (keep the
 two in step: these pins are what proves the bounds), installs the rest of the `test` extra at
 whatever versions the resolver finds compatible with them, and leaves torch out: the parity tests
 then run against the committed torch fixtures. Arguments after `--` go to pytest (and replace the
-selection above).
+selection above: with no `-m` of their own, the fast tier's `not slow` applies).
 
 Virtual environments are made by uv where nox finds it (`pip install nox uv`; .ci/run does): it
 installs the `test` extra in seconds where pip takes more than a minute, from the same index, and
@@ -51,28 +54,22 @@ OLDEST = ["jax==0.7.1", "jaxlib==0.7.1", "optax==0.2.5", "flax==0.12.0"]
 
 PYPROJECT = tomllib.loads(pathlib.Path(__file__).with_name("pyproject.toml").read_text())
 
-NEWEST_ONLY = ["tests/test_examples.py", "tests/test_tensorboard_example.py", "tests/test_docs.py",
-               "tests/test_migration.py", "tests/test_bench.py",
-               # the examples run beside the library tests of their subject
-               "tests/test_equinox.py::test_the_equinox_example_runs_and_reports_float32s_spread",
-               "tests/test_multidevice.py::test_data_parallel_example_on_8_simulated_devices",
-               "tests/test_multihost.py::test_data_parallel_example_on_two_processes"]
-VERSION_INDEPENDENT = ["tests/test_packaging.py", "tests/test_api.py"]
-
+# What each session selects, by the markers the test modules set (pyproject.toml says what each
+# marker means). An explicit `-m` replaces the default `not slow`: every session runs the slow tests
+# of what it selects.
+EVERY_TEST = "slow or not slow"
 # What a session on another JAX release leaves out, and the environment that shortens its repetitions.
-LEFT_OUT = [*NEWEST_ONLY, *VERSION_INDEPENDENT]
+LIBRARY = "not newest_only and not version_independent"
 SHORTENED = {"JAXSCALE_CATALOGUE": "one-per-signature", "JAXSCALE_STATE_MACHINE_EXAMPLES": "25"}
-
 # The jaxpr readers (autocast, precision_report, float8) and the docstrings.
-JAXPR_TESTS = ["tests/test_autocast.py", "tests/test_precision_report.py", "tests/test_float8.py", "jaxscale"]
+JAXPR_TESTS = "jaxpr or docstring"
 
 # The JAX that tests-3.13 installed in this `nox` call, for tests-3.12.
 INSTALLED_JAX = {}
 
 
-def run_pytest(session, *, ignore=(), select=()):
-  left_out = [f"--deselect={path}" if "::" in path else f"--ignore={path}" for path in ignore]
-  args = session.posargs or ["-n", "2", "-q", *left_out, *select]
+def run_pytest(session, markers):
+  args = session.posargs or ["-n", "2", "-q", "-m", markers]
   session.run("python", "-m", "pytest", *args, env=SHORTENED)
 
 
@@ -91,7 +88,7 @@ def pip_check(session):
 @nox.session(name="tests-newest")
 def tests_newest(session):
   session.install("-e", ".[test]")
-  session.run("python", "-m", "pytest", *(session.posargs or ["-n", "2", "-q"]))
+  session.run("python", "-m", "pytest", *(session.posargs or ["-n", "2", "-q", "-m", EVERY_TEST]))
 
 
 @nox.session(name="tests-oldest")
@@ -112,14 +109,14 @@ def tests_oldest(session):
   session.install(*OLDEST, *rest)
   session.install("--no-deps", "-e", ".")
   pip_check(session)
-  run_pytest(session, ignore=LEFT_OUT)
+  run_pytest(session, LIBRARY)
 
 
 @nox.session(name="tests-3.13", python="3.13")
 def tests_313(session):
   session.install("-e", ".[test]")
   INSTALLED_JAX["3.13"] = jax_version(session)
-  run_pytest(session, select=JAXPR_TESTS)
+  run_pytest(session, JAXPR_TESTS)
 
 
 # Besides: the multi-process runs, which test jaxscale's collectives over gloo (tests-oldest and
@@ -129,7 +126,7 @@ def tests_312(session):
   session.install("-e", ".[test]")
   version = jax_version(session)
   jaxpr_tested = version is not None and INSTALLED_JAX.get("3.13") == version
-  run_pytest(session, ignore=[*LEFT_OUT, "tests/test_multihost.py", *(JAXPR_TESTS if jaxpr_tested else [])])
+  run_pytest(session, f"{LIBRARY} and not multihost" + (f" and not ({JAXPR_TESTS})" if jaxpr_tested else ""))
 
 
 @nox.session(name="gpu-program")

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 import jaxscale
+from _jit import compilations
 
 
 def run(grads, inner, **options):
@@ -30,5 +31,5 @@ def run(grads, inner, **options):
     w, opt_state = step(w, opt_state, g)
     scaler = jaxscale.find_scaler(opt_state)
     trajectory.append((float(scaler.scale), int(scaler.growth_tracker), np.asarray(w)))
-  assert step._cache_size() == 1
+  assert compilations(step) == 1
   return trajectory, opt_state

@@ -10,6 +10,8 @@ import pytest
 
 import jaxscale
 
+pytestmark = pytest.mark.version_independent
+
 FIXED_NAMES = {
     "ScalerState", "init", "scale", "unscale_and_check", "update",
     "dynamic_loss_scaling", "find_scaler", "state_dict", "load_state_dict",

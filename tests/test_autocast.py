@@ -13,6 +13,9 @@ import optax
 import pytest
 
 import jaxscale
+from _jit import compilations
+
+pytestmark = pytest.mark.jaxpr
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 MATMULS = {"dot_general", "conv_general_dilated"}
@@ -67,7 +70,7 @@ def assert_compiles_once(fun, *args):
   step = jax.jit(jax.value_and_grad(fun))
   for _ in range(3):
     jax.block_until_ready(step(*args))
-  assert step._cache_size() == 1
+  assert compilations(step) == 1
 
 
 def import_equinox():
@@ -314,7 +317,7 @@ def test_linen_model_trains_in_float16_without_dtype():
     losses.append(float(loss))
   assert losses[-1] < 0.3 * losses[0]
   assert all(leaf.dtype == F32 for leaf in jax.tree.leaves(params))
-  assert step._cache_size() == 1
+  assert compilations(step) == 1
 
 
 def test_nnx_model_trains_in_float16_without_dtype():

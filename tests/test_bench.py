@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.newest_only
+
 
 def _load_bench():
   path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench.py"
@@ -97,6 +99,7 @@ def test_the_quick_page_data_and_chart_are_written(tmp_path):
   assert (tmp_path / "benchmarks.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # the benchmark's language model, compiled for two libraries
 def test_the_mpx_lm_step_steps_like_jaxscales():
   pytest.importorskip("mpx")
   builders = bench.lm_builders("adam", 16, 1, ["jaxscale", "mpx"], seq_len=8, batch=2, heads=2)

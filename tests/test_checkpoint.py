@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 import jaxscale
+from _jit import compilations
 
 STEPS, SAVE_AT = 8, 4
 # Overflows (steps 2 and 6) and growth (every 2 finite steps) on both sides of the checkpoint, so a
@@ -116,9 +117,9 @@ def test_flax_msgpack_round_trip_continues_bit_for_bit():
   assert_states_equal(restored, mid)
   # Restored leaves are NumPy arrays: put them on the device once, or the first step compiles again.
   restored = jax.device_put(restored)
-  before = train_step._cache_size()
+  before = compilations(train_step)
   assert_states_equal(train(restored, STEPS), train(mid, STEPS))
-  assert train_step._cache_size() == before
+  assert compilations(train_step) == before
 
 
 def test_turning_loss_scaling_on_when_restoring_a_checkpoint_saved_without_it(tmp_path):

@@ -24,6 +24,8 @@ import re
 import jax
 import pytest
 
+pytestmark = pytest.mark.newest_only
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
@@ -111,7 +113,11 @@ def run_page(path: pathlib.Path, name: str) -> list[str]:
   return skipped
 
 
-@pytest.mark.parametrize("path", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+# README's examples run in the fast tier, the docs pages' (about a minute of CPU time) in the full run.
+TIERED = [p if p.name == "README.md" else pytest.param(p, marks=pytest.mark.slow) for p in PAGES]
+
+
+@pytest.mark.parametrize("path", TIERED, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
 def test_page_examples_run(path, tmp_path, monkeypatch, record_property):
   monkeypatch.chdir(tmp_path)  # whatever a page writes lands in a scratch directory
   skipped = run_page(path, path.relative_to(ROOT).as_posix())

@@ -408,6 +408,8 @@ def test_autocast_runs_an_equinox_models_matmuls_in_float16_and_its_softmax_in_f
 # ------------------------------------------------------------------ the example
 
 
+@pytest.mark.slow
+@pytest.mark.newest_only  # an example: what users run, on the newest releases
 def test_the_equinox_example_runs_and_reports_float32s_spread(capsys, monkeypatch):
   pytest.importorskip("sklearn")
   monkeypatch.syspath_prepend(str(ROOT / "examples"))

@@ -19,6 +19,8 @@ from test_tensorboard_example import read_scalars
 
 import jaxscale
 
+pytestmark = pytest.mark.newest_only
+
 ROOT = pathlib.Path(__file__).parents[1]
 EXAMPLES = str(ROOT / "examples")
 COMMON_FLAGS = ["--steps", "6", "--eval-every", "3", "--no-progress"]
@@ -85,6 +87,7 @@ def table_rows(text):
   return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
 
 
+@pytest.mark.slow  # runs the example's training
 def test_quickstart_float16_loses_and_jaxscale_recovers_float32(capsys):
   """README's first command: float16 alone >= 3% worse than float32; float16 + jaxscale within 1% of it,
   in plain JAX, with a Linen TrainState and with an nnx.Optimizer; README shows the table it prints."""
@@ -111,6 +114,7 @@ def test_quickstart_float16_loses_and_jaxscale_recovers_float32(capsys):
     assert table_rows(shown) == rows
 
 
+@pytest.mark.slow  # runs the example's training
 def test_lm(tmp_path, capsys):
   out = ["--out", str(tmp_path / "lm.png"), "--grad-hist", str(tmp_path / "grads.png")]
   results = run_example("lm", LM_TINY + out)
@@ -137,6 +141,7 @@ def test_lm(tmp_path, capsys):
   assert all(float(row[2]) == float(row[3]) == 0 for row in start[2:4])
 
 
+@pytest.mark.slow  # runs the example's training
 def test_lm_auto_init_scale_skips_no_start_up_step_where_torchs_start_skips_some(capsys):
   """A loss summed over the batch's 64 tokens (--loss-weight 64): 2**16 overflows, the probe's start does not."""
   lm = import_example("lm")
@@ -152,6 +157,7 @@ def test_lm_auto_init_scale_skips_no_start_up_step_where_torchs_start_skips_some
   assert auto.scale[0] < 2.0**14 and not auto.skipped.any()
 
 
+@pytest.mark.slow  # runs the example's training
 def test_digits(tmp_path, capsys):
   results = run_example("digits", ["--width", "4", "--batch", "16", "--out", str(tmp_path / "digits.png")])
   check_results(results, capsys.readouterr().out)
@@ -167,6 +173,7 @@ PRECISIONS = {  # spec: (param dtype, compute dtype, loss scaling, how matmuls r
 }
 
 
+@pytest.mark.slow  # runs the example's training
 @pytest.mark.parametrize("spec", list(PRECISIONS))
 def test_lm_precision_runs_any_policy_and_logs_it_to_tensorboard(spec, tmp_path, capsys):
   param_dtype, compute_dtype, scaling, matmul = PRECISIONS[spec]
@@ -200,6 +207,7 @@ def test_lm_precision_runs_any_policy_and_logs_it_to_tensorboard(spec, tmp_path,
   assert scalars["heldout/loss"] == heldout
 
 
+@pytest.mark.slow  # runs the example's training
 def test_lm_precision_float32_is_the_flax_dtype_run_bit_for_bit():
   """Through autocast, float32 is the three-run comparison's float32 model itself, step for step."""
   lm = import_example("lm")
@@ -213,6 +221,7 @@ def test_lm_precision_float32_is_the_flax_dtype_run_bit_for_bit():
   np.testing.assert_allclose(float16.loss, autocast.loss, rtol=1e-3)
 
 
+@pytest.mark.slow  # runs the example's training
 def test_lm_float16_parameters_train_through_float32_master_weights(capsys):
   lm = import_example("lm")
   # train_runs without main: no probe (main's probe, table and TensorBoard log are the same for
@@ -249,6 +258,7 @@ def test_tensorboard_without_tensorboardx_names_the_extra(tmp_path, monkeypatch)
     import_example("_common").tensorboard_writer(str(tmp_path), "run")
 
 
+@pytest.mark.slow  # runs the example's training
 def test_digits_precision_runs_float16_parameters_through_autocast(capsys):
   argv = ["--width", "4", "--batch", "16", "--no-plot", "--precision", "float32", "--precision", "p=f16,c=f16,o=f32"]
   results = run_example("digits", argv)

@@ -12,6 +12,7 @@ from flax.training import train_state
 
 import jaxscale
 from _bitwise import assert_bitwise_equal
+from _jit import compilations
 import jaxscale.flax
 
 IN, HIDDEN, OUT = 8, 16, 1
@@ -92,7 +93,7 @@ def test_linen_train_state(recipe):
     params_history.append(state.params)
     scalers.append(jaxscale.find_scaler(state.opt_state))
   check_run(losses, params_history, scalers)
-  assert train_step._cache_size() == 1
+  assert compilations(train_step) == 1
   # Flax's counter counts the skipped step; the inner Adam's does not.
   assert int(state.step) == 21
   assert int(state.opt_state.inner_state[0].count) == 20

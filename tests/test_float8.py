@@ -11,7 +11,10 @@ import pytest
 from jax import lax
 
 import jaxscale
+from _jit import compilations
 from jaxscale import _float8
+
+pytestmark = pytest.mark.jaxpr
 
 E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
 F32 = np.dtype(np.float32)
@@ -426,7 +429,7 @@ def assert_close_to_float32(cast_loss, loss, params, *args):
   step = jax.jit(jax.value_and_grad(cast_loss))
   for _ in range(3):
     jax.block_until_ready(step(params, *args))
-  assert step._cache_size() == 1
+  assert compilations(step) == 1
 
 
 def cross_entropy(logits, labels):

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jaxscale
+from _jit import compilations
 from jaxscale import _lowp, _rounding
 
 def spread(n=4096, seed=0):
@@ -167,7 +168,7 @@ def test_composition_skips_bit_for_bit_under_jit_with_donation(method):
     # The inf step: parameters, compensation or key, stored moments and their key as they were.
     assert bool(jaxscale.find_scaler(state).last_skipped) == (i == 2)
     assert (bits(without_scaler((params, state))) == before) == (i == 2)
-  assert donating._cache_size() == 1
+  assert compilations(donating) == 1
 
 
 def bits(tree):
@@ -410,7 +411,7 @@ def test_bfloat16_parameters_with_float32_gradients():
     first = 8 * 2.0**-24 * np.abs(want)
     assert np.all(np.abs(np.asarray(u, np.float64) - want) <= (first if i == 0 else tol))
     assert state.inner_state[0].nu.values.dtype == jnp.bfloat16
-  assert update._cache_size() == 1
+  assert compilations(update) == 1
 
 
 def test_master_weights_and_the_state_draw_independent_numbers():

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import jaxscale
+from _jit import compilations
 
 KEYS = {"scale", "growth_tracker", "hysteresis_tracker", "skipped_steps", "last_skipped", "stalled"}
 
@@ -28,7 +29,7 @@ def test_metrics_under_jit_without_host_transfer():
     for g in grads:
       params, opt_state, m = step(params, opt_state, g)
       logged.append(m)
-  assert step._cache_size() == 1
+  assert compilations(step) == 1
   assert all(set(m) == KEYS for m in logged)
   # The reference: the scaler's rule played by hand (growth_interval=2, backoff 0.5, growth 2).
   assert [float(m["scale"]) for m in logged] == [8.0, 4.0, 4.0, 8.0, 8.0]

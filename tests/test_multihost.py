@@ -11,6 +11,8 @@ import pytest
 
 from _spawn import child_env, free_port, run_python
 
+pytestmark = pytest.mark.multihost
+
 WORKER = "tests/distributed/multihost_worker.py"
 POISONED_STEP = 3
 SCALE = 2.0**10
@@ -55,6 +57,8 @@ def test_scaler_state_is_replicated_and_identical(reports):
   assert [step["scaler"]["skipped_steps"][0] for step in reports[0]] == [0, 0, 0, 1, 1, 1]
 
 
+@pytest.mark.slow
+@pytest.mark.newest_only  # an example: what users run, on the newest releases
 def test_data_parallel_example_on_two_processes(tmp_path):
   """The two-process command of docs/distributed.md; both processes end with the same numbers."""
   address = f"127.0.0.1:{free_port()}"

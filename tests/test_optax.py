@@ -12,6 +12,7 @@ import pytest
 
 import jaxscale
 from _bitwise import assert_bitwise_equal, bits
+from _jit import compilations
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4), "b": jnp.arange(4, dtype=jnp.float32)}
 GRADS = jax.tree.map(lambda p: jnp.cos(p) * 2.0**-6, PARAMS)  # true gradients
@@ -159,7 +160,7 @@ def test_compositions_skip_the_overflows_and_otherwise_train_as_the_unwrapped_co
     params, state = step(params, state, grads)
   scaler = jaxscale.find_scaler(state)
   assert int(scaler.skipped_steps) == 2 and float(scaler.scale) == 2.0**14
-  assert step._cache_size() == 1
+  assert compilations(step) == 1
   # The reference: the composition without the wrapper, on the four finite batches only.
   want, want_state = PARAMS, unwrapped.init(PARAMS)
   for grads in finite:
@@ -189,7 +190,7 @@ def test_training_jits_once_and_never_touches_the_host():
       params, state = step(params, state, grads)
       if i == 7:  # change hyperparameters mid-run, on the device
         state = state._replace(scaler=jax.jit(jaxscale.configure)(state.scaler, growth_factor=four))
-  assert step._cache_size() == 1
+  assert compilations(step) == 1
   assert int(jaxscale.find_scaler(state).skipped_steps) == 6
 
 

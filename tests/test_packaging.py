@@ -13,6 +13,8 @@ import pytest
 
 import jaxscale
 
+pytestmark = pytest.mark.version_independent
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -9,6 +9,8 @@ import pytest
 
 import jaxscale
 
+pytestmark = pytest.mark.jaxpr
+
 B, D, H, C = 4, 8, 16, 3
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jaxscale
+from _jit import compilations
 from _range_reference import reference
 
 DTYPES = {
@@ -66,7 +67,7 @@ def test_matches_numpy_cast_over_the_whole_range_and_at_the_boundaries(name, str
       assert_matches(stats.leaves[key], reference(tree[key], scale, dtype))
     assert stats.leaves["step"] is None
     assert float(stats.histogram.sum() + stats.zeros + stats.nonfinite) == float(stats.size)
-  assert f._cache_size() == 1
+  assert compilations(f) == 1
 
 
 def test_float16_boundaries_one_by_one():
@@ -117,10 +118,10 @@ def test_one_compilation_whatever_form_the_scale_takes():
   tree = {"a": jnp.ones(3), "b": jnp.ones((2, 2), jnp.float16)}
   from jaxscale import _range
 
-  before = _range._range_stats._cache_size()
+  before = compilations(_range._range_stats)
   for scale in (1.0, 2, jnp.float32(8.0), np.float32(3.0), jnp.asarray(4.0, jnp.bfloat16)):
     jaxscale.range_stats(tree, scale=scale)
-  assert _range._range_stats._cache_size() == before + 1
+  assert compilations(_range._range_stats) == before + 1
 
 
 def test_under_lax_cond_every_n_steps():
@@ -135,7 +136,7 @@ def test_under_lax_cond_every_n_steps():
   for a, b in zip(jax.tree.leaves(step(grads, 20)), jax.tree.leaves(direct), strict=True):
     np.testing.assert_array_equal(a, b)
   assert float(step(grads, 3).overflow_fraction) == 0.0 and float(direct.overflow_fraction) == 0.25
-  assert step._cache_size() == 1
+  assert compilations(step) == 1
 
 
 def test_float64_leaves_beyond_float32_range_are_underflow_and_overflow_not_zeros_or_nonfinite(x64):

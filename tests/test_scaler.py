@@ -13,6 +13,7 @@ import pytest
 
 import jaxscale
 from _bitwise import assert_bitwise_equal
+from _jit import compilations
 from _reference import ReferenceScaler
 
 f32 = np.float32
@@ -66,7 +67,7 @@ def test_update_compiles_once_whatever_flag_scale_and_options():
     state = update(state, finite)
   state = jaxscale.configure(state, growth_factor=4.0, scale=3.0, hysteresis=2, dynamic=False)
   state = update(state, True)
-  assert update._cache_size() == 1
+  assert compilations(update) == 1
 
 
 def test_scale_of_2_pow_127_does_not_grow_past_float32():
@@ -164,7 +165,7 @@ def test_configure_under_jit_changes_options_without_recompiling():
   for n in [1, 5, 9]:
     state = set_interval(state, n)
     assert int(state.growth_interval) == n
-  assert set_interval._cache_size() == 1
+  assert compilations(set_interval) == 1
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=["f16", "bf16", "f32"])

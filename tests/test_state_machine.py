@@ -30,6 +30,9 @@ import jaxscale
 from _reference import ReferenceScaler
 from _bitwise import bits
 
+# 100 runs of 50 steps, each step checked against the reference model: the full run's.
+pytestmark = pytest.mark.slow
+
 f32 = np.float32
 INT32_MAX = 2**31 - 1
 LR, MOMENTUM = 2.0**-5, 0.5

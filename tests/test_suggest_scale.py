@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import jaxscale
+from _jit import compilations
 from _range_reference import reference
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
@@ -40,7 +41,7 @@ def test_known_largest_gradient_gives_the_expected_power_of_two(name, largest, s
   assert not overflows(c, float(scale) * (1 if clipped else headroom), dtype)
   assert clipped or overflows(c, 2 * float(scale) * headroom, dtype)
   f(grads * 2)
-  assert f._cache_size() == 1
+  assert compilations(f) == 1
 
 
 def test_headroom_and_what_says_nothing():

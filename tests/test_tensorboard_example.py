@@ -7,6 +7,10 @@ import os
 import struct
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.newest_only
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
@@ -28,6 +32,7 @@ def read_scalars(logdir):
   return scalars
 
 
+@pytest.mark.slow  # runs the example's training
 def test_tensorboard_example_logs_the_scaler(tmp_path):
   sys.path.insert(0, EXAMPLES)
   try:
