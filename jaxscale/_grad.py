@@ -77,11 +77,11 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
 
     def scaled_fun(*args, **kwargs):
       uses = {"scale": 0, "unscale": 0}
-      token = _scaler._uses_here.set(uses)
+      token = _scaler.uses_here.set(uses)
       try:
         out = fun(*args, **kwargs)
       finally:
-        _scaler._uses_here.reset(token)
+        _scaler.uses_here.reset(token)
       _scaler.refuse_scaling_inside(uses)
       if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
         # `out[0]` of an array would differentiate its first element alone.

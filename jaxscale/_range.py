@@ -35,7 +35,7 @@ from jaxscale import _tree
 # subnormal (2**-149) to its largest normal.
 HISTOGRAM_EXPONENTS = np.arange(-149, 128)
 HISTOGRAM_EXPONENTS.flags.writeable = False
-_NBINS = len(HISTOGRAM_EXPONENTS)
+NBINS = len(HISTOGRAM_EXPONENTS)
 
 
 class RangeStats(NamedTuple):
@@ -68,7 +68,7 @@ class RangeStats(NamedTuple):
   leaves: Any = None  # the input's structure, a RangeStats (leaves=None) per floating leaf
 
 
-def _check_dtype(dtype: Any) -> np.dtype:
+def check_dtype(dtype: Any) -> np.dtype:
   """The target dtype, if a cast to it can be seen to underflow and overflow."""
   try:
     if dtype is None:  # np.dtype(None) is float64
@@ -99,7 +99,7 @@ def _ieee_layout(dtype: np.dtype) -> bool:
   return bool(bits[0] == 0 and bits[2] == bits[1] | sign and (bits[3] & ~sign) > (bits[4] & ~sign))
 
 
-def _magnitude_bits(x: jax.Array) -> jax.Array:
+def magnitude_bits(x: jax.Array) -> jax.Array:
   """|x| as unsigned bits: ordered like |x|, and immune to flush-to-zero arithmetic."""
   bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
   return bits & ~np.array(1 << (8 * x.dtype.itemsize - 1), bits.dtype)
@@ -114,7 +114,7 @@ def _nonzero_bits(x: jax.Array) -> jax.Array:
   tested apart, are integers to the end.
   """
   if x.dtype.itemsize < 4:
-    return _magnitude_bits(x) != 0
+    return magnitude_bits(x) != 0
   half = jnp.dtype(f"uint{4 * x.dtype.itemsize}")
   halves = jax.lax.bitcast_convert_type(x, half)  # shape x.shape + (2,), low half first
   sign = np.array(1 << (4 * x.dtype.itemsize - 1), half)
@@ -137,21 +137,21 @@ def _leaf_counts(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> dict[str, j
   scaled = x.astype(jnp.float32) * scale
   # Every class of the cast is read from its bits: XLA:GPU folds a float32 -> float16 -> float32 round
   # trip away (`xla_allow_excess_precision`), so `isfinite(cast)` there would test `scaled` itself.
-  cast_bits = _magnitude_bits(scaled.astype(dtype))
-  normal_bits = _magnitude_bits(jnp.asarray(jnp.finfo(dtype).smallest_normal, dtype))
-  max_bits = _magnitude_bits(jnp.asarray(jnp.finfo(dtype).max, dtype))  # above it: inf or NaN
+  cast_bits = magnitude_bits(scaled.astype(dtype))
+  normal_bits = magnitude_bits(jnp.asarray(jnp.finfo(dtype).smallest_normal, dtype))
+  max_bits = magnitude_bits(jnp.asarray(jnp.finfo(dtype).max, dtype))  # above it: inf or NaN
   # The table's row: 0 normal, 1 zero, 2 subnormal, 3 overflow, 4 exact 0, 5 non-finite input; each
   # class below overrides those before it (`jnp.select` would write leaf-sized arrays out on CPU).
   row = jnp.zeros(x.shape, jnp.int32)
   for holds, value in [(cast_bits < normal_bits, 2), (cast_bits == 0, 1), (cast_bits > max_bits, 3),
                        (~nonzero, 4), (~finite, 5)]:
     row = jnp.where(holds, value, row)
-  bits = _magnitude_bits(scaled).astype(jnp.int32)  # float32 magnitudes fit in int32
+  bits = magnitude_bits(scaled).astype(jnp.int32)  # float32 magnitudes fit in int32
   # Subnormal float32: value = mantissa * 2**-149, so floor(log2) = -149 + (31 - clz(mantissa)).
   exponent = jnp.where(bits >= 1 << 23, (bits >> 23) - 127, 31 - jax.lax.clz(bits) - 149)
   # A product that leaves float32's range (0 or inf) lands in the end bin on its side.
-  index = row * _NBINS + jnp.clip(exponent, -149, 127) + 149
-  table = jnp.zeros(6 * _NBINS, jnp.int32).at[index.ravel()].add(1).reshape(6, _NBINS)
+  index = row * NBINS + jnp.clip(exponent, -149, 127) + 149
+  table = jnp.zeros(6 * NBINS, jnp.int32).at[index.ravel()].add(1).reshape(6, NBINS)
   as_float = lambda b: jax.lax.bitcast_convert_type(b, jnp.float32)
   return {
       "zero": table[1].sum(),
@@ -188,7 +188,8 @@ def _is_floating(x: Any) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def _range_stats(tree: Any, scale: jax.Array, dtype: np.dtype) -> RangeStats:
+def stats_at_scale(tree: Any, scale: jax.Array, dtype: np.dtype) -> RangeStats:
+  """`range_stats` of a checked dtype, the scale an array: one compilation whatever its value."""
   leaves, treedef = jax.tree.flatten(tree)
   per_leaf = [_leaf_counts(jnp.asarray(x), scale, dtype) if _is_floating(x) else None for x in leaves]
   present = [c for c in per_leaf if c is not None]
@@ -199,7 +200,7 @@ def _range_stats(tree: Any, scale: jax.Array, dtype: np.dtype) -> RangeStats:
     total.update(min=jnp.min(stacked["min"]), max=jnp.max(stacked["max"]))
   else:
     total = {k: jnp.zeros((), jnp.float32) for k in ("zero", "subnormal", "overflow", "max", "zeros", "nonfinite", "size")}
-    total.update(min=jnp.asarray(jnp.inf, jnp.float32), histogram=jnp.zeros(_NBINS, jnp.float32))
+    total.update(min=jnp.asarray(jnp.inf, jnp.float32), histogram=jnp.zeros(NBINS, jnp.float32))
   detail = [None if c is None else _stats(c) for c in per_leaf]
   return _stats(total, jax.tree.unflatten(treedef, detail))
 
@@ -277,7 +278,7 @@ def range_stats(tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typi
   scale = jnp.asarray(scale, jnp.float32)
   if scale.shape:
     raise ValueError(f"`scale` must be a scalar, got an array of shape {scale.shape}.")
-  return _range_stats(tree, scale, _check_dtype(dtype))
+  return stats_at_scale(tree, scale, check_dtype(dtype))
 
 
 def format_range_stats(stats: RangeStats | dict[str, RangeStats]) -> str:

@@ -473,7 +473,7 @@ def scale(state: ScalerState, tree: Any) -> Any:
     )
 
   warn_if_constant(state, tree, "scale")
-  uses = _uses_here.get()
+  uses = uses_here.get()
   if uses is not None:  # inside `jaxscale.value_and_grad`'s loss function: it counts them
     uses["scale"] += 1
   factor = _scaled_by_jaxscale(state.scale)
@@ -488,12 +488,12 @@ def scale_unchecked(state: ScalerState, tree: Any) -> Any:
 # While `jaxscale.value_and_grad` calls the user's loss function, how many times that call used
 # `jaxscale.scale` and `jaxscale.unscale_and_check`. A dynamic scope, set and reset around the call:
 # the verdict depends on the call in progress, never on what ran before.
-_uses_here: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxscale_uses_here", default=None)
+uses_here: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxscale_uses_here", default=None)
 
 
 # Marks in a traced program: each a jitted identity, named, that XLA removes. A loss function
 # jitted on its own and traced before runs no Python when `value_and_grad` calls it (JAX reuses its
-# trace), so `_uses_here` counts nothing there; its jaxpr still shows these names.
+# trace), so `uses_here` counts nothing there; its jaxpr still shows these names.
 SCALE_MARK, UNSCALE_MARK = "_scaled_by_jaxscale", "_unscaled_by_jaxscale"
 
 
@@ -591,7 +591,7 @@ def unscale_and_check(
   """
   require_state(state, "unscale_and_check")
   warn_if_constant(state, grads, "unscale_and_check")
-  uses = _uses_here.get()
+  uses = uses_here.get()
   if uses is not None:
     uses["unscale"] += 1
   state = state._replace(floats=_unscaled_by_jaxscale(state.floats))

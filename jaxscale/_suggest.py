@@ -40,7 +40,7 @@ def _max_magnitude(tree: Any) -> jax.Array:
     elif _tree.is_floating(x, real=True):
       x = jnp.asarray(x)
       # Finite in its own dtype: a float64 1e300 must shrink the scale, though float32 holds it as inf.
-      bits = _range._magnitude_bits(x.astype(jnp.float32)).astype(jnp.int32)
+      bits = _range.magnitude_bits(x.astype(jnp.float32)).astype(jnp.int32)
       maxima.append(jnp.max(jnp.where(jnp.isfinite(x), bits, 0), initial=0))
   return jnp.max(jnp.stack(maxima))
 
@@ -111,7 +111,7 @@ def suggest_scale(
     >>> jaxscale.suggest_scale(grads, dtype=jnp.bfloat16)
     Array(1.0633824e+37, dtype=float32)
   """
-  return _scale_for(_max_magnitude(tree), _range._check_dtype(dtype), _check_headroom(headroom))
+  return _scale_for(_max_magnitude(tree), _range.check_dtype(dtype), _check_headroom(headroom))
 
 
 class ProbeResult(NamedTuple):
@@ -206,7 +206,7 @@ def probe_scale(
     (True, 0.0, 0.0)
     >>> tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=float(probe.scale))
   """
-  dtype = _range._check_dtype(dtype)
+  dtype = _range.check_dtype(dtype)
   headroom_exponent = _check_headroom(headroom)
   if isinstance(taps, str):
     raise TypeError(f"`taps` must be a list of tap names, got the single string {taps!r}; pass [{taps!r}].")
@@ -232,7 +232,7 @@ def probe_scale(
   if jnp.finfo(loss_dtype).bits < 32:
     # A 16-bit loss is scaled in its own dtype, and the scale is its cotangent: both must fit there.
     seed = _max_magnitude([jnp.abs(loss).astype(jnp.float32), jnp.float32(1.0)])
-    scale = jnp.minimum(scale, _scale_for(seed, _range._check_dtype(loss_dtype), headroom_exponent))
+    scale = jnp.minimum(scale, _scale_for(seed, _range.check_dtype(loss_dtype), headroom_exponent))
   scaled_grads, scaled_taps = measure(scale)[0]
   return ProbeResult(
       scale=scale,

@@ -42,14 +42,14 @@ def _tap_fwd(x, probe, dtype):
 
 def _tap_bwd(dtype, residual, cotangent):
   del residual
-  return cotangent, _range._range_stats(cotangent, jnp.ones((), jnp.float32), dtype)._replace(leaves=None)
+  return cotangent, _range.stats_at_scale(cotangent, jnp.ones((), jnp.float32), dtype)._replace(leaves=None)
 
 
 _tap.defvjp(_tap_fwd, _tap_bwd)
 
 # The name sets of the `recording` blocks in progress, innermost last: `tap` adds its name to each
 # (at trace time), so that `probe_scale` can tell a misspelt tap from one that saw only zeros. A
-# dynamic scope, as `_scaler._uses_here`: what a block records depends on the calls inside it,
+# dynamic scope, as `_scaler.uses_here`: what a block records depends on the calls inside it,
 # never on what ran before, in this thread or another.
 _recording: contextvars.ContextVar[tuple[set[str], ...]] = contextvars.ContextVar("jaxscale_recording", default=())
 
@@ -87,7 +87,7 @@ def tap_probes(names: Iterable[str]) -> dict[str, _range.RangeStats]:
   if isinstance(names, str):
     raise TypeError(f"`names` must be an iterable of tap names, got the single string {names!r}; pass [{names!r}].")
   zero = jnp.zeros((), jnp.float32)
-  probe = _range.RangeStats(zero, zero, zero, zero, zero, jnp.zeros(_range._NBINS, jnp.float32), zero, zero, zero)
+  probe = _range.RangeStats(zero, zero, zero, zero, zero, jnp.zeros(_range.NBINS, jnp.float32), zero, zero, zero)
   return {name: probe for name in names}
 
 
@@ -151,4 +151,4 @@ def tap(
     raise TypeError(f"`probes` must be the dict from `tap_probes(names)` (or None), got {type(probes).__name__}.")
   if name not in probes:
     return x
-  return _tap(x, probes[name], _range._check_dtype(dtype))
+  return _tap(x, probes[name], _range.check_dtype(dtype))

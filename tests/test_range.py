@@ -118,10 +118,10 @@ def test_one_compilation_whatever_form_the_scale_takes():
   tree = {"a": jnp.ones(3), "b": jnp.ones((2, 2), jnp.float16)}
   from jaxscale import _range
 
-  before = compilations(_range._range_stats)
+  before = compilations(_range.stats_at_scale)
   for scale in (1.0, 2, jnp.float32(8.0), np.float32(3.0), jnp.asarray(4.0, jnp.bfloat16)):
     jaxscale.range_stats(tree, scale=scale)
-  assert compilations(_range._range_stats) == before + 1
+  assert compilations(_range.stats_at_scale) == before + 1
 
 
 def test_under_lax_cond_every_n_steps():
@@ -164,7 +164,7 @@ def test_few_leaf_sized_temporaries():
   from jaxscale import _range
 
   leaf = jax.ShapeDtypeStruct((2**20,), jnp.float32)
-  compiled = _range._range_stats.lower({"g": leaf}, jnp.float32(1.0), np.dtype(jnp.float16)).compile()
+  compiled = _range.stats_at_scale.lower({"g": leaf}, jnp.float32(1.0), np.dtype(jnp.float16)).compile()
   assert compiled.memory_analysis().temp_size_in_bytes <= 5 * leaf.size * 4
 
 

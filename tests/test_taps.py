@@ -74,7 +74,7 @@ def test_taps_off_add_nothing_to_the_computation():
 
   assert str(jax.make_jaxpr(jax.grad(loss))(params, x)) == str(jax.make_jaxpr(jax.grad(untapped))(params, x))
   only = jaxscale.tap_probes(["h1"])  # a name not in the probes is not tapped either
-  assert "_range_stats" in str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(params, x, only))
+  assert "stats_at_scale" in str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(params, x, only))
 
 
 def test_tap_dtype_and_errors():
