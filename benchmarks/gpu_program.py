@@ -370,6 +370,10 @@ def main(argv=None):
   chosen = args.tables or list(TABLES)
   if unknown := [t for t in chosen if t not in TABLES]:
     parser.error(f"unknown table {', '.join(unknown)}: choose among {', '.join(TABLES)}")
+  try:
+    h100()  # before any work: say what is missing at once
+  except RuntimeError as e:
+    parser.exit(1, f"{parser.prog}: {e}\n")
   results = {}
   for table in chosen:
     for title, rows in TABLES[table]().items():
