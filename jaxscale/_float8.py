@@ -54,12 +54,22 @@ REASONS = {
         "a contracted size or an output dimension below 16: float8 tensor cores work in tiles of "
         "16, so float8 would cost this matmul its precision and gain it no speed"
     ),
+    "intensity": (
+        "fewer than 512 multiply-adds per element it reads or writes (M*K*N / (M*K + K*N + M*N) for "
+        "an [M,K] x [K,N] product): on an H100 its float8 GEMM saves less time than quantizing its "
+        "operands (an absolute-maximum pass and a cast pass each) costs"
+    ),
     "conv_backward": (
         "a convolution's backward product: `lax.conv_general_dilated` takes one dtype for both "
-        "operands, so the e5m2 gradient and the e4m3 operand multiply, exactly, in float32"
+        "operands, and no float8 format holds both the e5m2 gradient and the e4m3 operand, so they "
+        "multiply, exactly, in bfloat16 (which holds every float8 value)"
     ),
 }
 _SMALL = 16
+# The arithmetic intensity below which float8 does not pay on an H100: one [M,K] x [K,N] matmul forward
+# and backward, float32 weights, bfloat16 activations, in the compiled H100 program's roofline, breaks
+# even near 450 (4096 x 1024 x 1024: 0.99 of bfloat16's time; 683: 0.76; 341: 1.31; benchmarks/NOTES.md).
+MIN_INTENSITY = 512
 
 #: Matmul primitives that a float8 policy does not reach: they run as the program gave them.
 OTHER_MATMULS = frozenset({"ragged_dot_general", "scaled_matmul_wrapper", "scaled_dot_general"})
@@ -95,7 +105,18 @@ def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
   wide = jnp.promote_types(x.dtype, jnp.float32)
   x = x.astype(wide)
   k = scale_exponent(jnp.max(jnp.abs(x)) if x.size else jnp.zeros((), wide), dtype)
-  return nearest(x * power_of_two(k).astype(wide), dtype).astype(dtype), k
+  return _round(x * power_of_two(k).astype(wide), dtype), k
+
+
+def _round(y: jax.Array, dtype: Any) -> jax.Array:
+  """``y`` cast to the float8 ``dtype``, rounded once; `nearest` first on a CPU only, where XLA rounds twice.
+
+  XLA:GPU converts float32 to float8 in one rounding, so its programs carry the cast alone (one
+  operation per element, fused into the producer) rather than `nearest`'s thirty.
+  """
+  return lax.platform_dependent(
+      y, cpu=lambda y: nearest(y, dtype).astype(dtype), default=lambda y: y.astype(dtype)
+  )
 
 
 def nearest(y: jax.Array, dtype: Any) -> jax.Array:
@@ -133,15 +154,21 @@ def wider_reason(primitive: Any, params: dict, lhs_shape: tuple, rhs_shape: tupl
   """The key in `REASONS` of why this matmul stays in the compute dtype, or None: it runs in float8."""
   if primitive.name == "dot_general":
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params["dimension_numbers"]
-    sizes = [
-        _prod(lhs_shape[d] for d in lhs_contract),
+    contracted = _prod(lhs_shape[d] for d in lhs_contract)
+    kept = [
         _prod(s for d, s in enumerate(lhs_shape) if d not in lhs_contract and d not in lhs_batch),
         _prod(s for d, s in enumerate(rhs_shape) if d not in rhs_contract and d not in rhs_batch),
     ]
   else:  # conv_general_dilated: contracted over the input features and the window
     spec = params["dimension_numbers"].rhs_spec  # (out features, in features, *window)
-    sizes = [_prod(rhs_shape[d] for d in spec[1:]), rhs_shape[spec[0]]]
-  return "small" if min(sizes) < _SMALL else None
+    contracted, kept = _prod(rhs_shape[d] for d in spec[1:]), [rhs_shape[spec[0]]]
+  if min(contracted, *kept) < _SMALL:
+    return "small"
+  operands = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in (lhs_shape, rhs_shape)]
+  out = _prod(jax.eval_shape(functools.partial(_bind, primitive, params), *operands).shape)
+  if out * contracted < MIN_INTENSITY * (_prod(lhs_shape) + _prod(rhs_shape) + out):
+    return "intensity"
+  return None
 
 
 def _prod(sizes) -> int:
@@ -190,6 +217,10 @@ def warn_not_float8(name: str) -> None:
   )
 
 
+def _dot(operands, dims, precision, dtype):
+  return lax.dot_general(*operands, dims, precision=precision, preferred_element_type=dtype)
+
+
 def _bind(primitive, params, *operands):
   return primitive.bind(*operands, **params)
 
@@ -206,52 +237,101 @@ def _marked(fun, reason: str):
 
 def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype):
   """The scaled float8 product of two operands, with its reverse-mode rule."""
-  params = dict(params, preferred_element_type=np.dtype(np.float32))
-  product = functools.partial(_bind, primitive, params)
+
+  def product(a, b, dtype):
+    return _bind(primitive, dict(params, preferred_element_type=np.dtype(dtype)), a, b)
 
   def conv_cotangents(qg, qa, qb):
-    # Exact: float8 values are float32 values. Transposed one operand at a time: no forward pass.
-    g, a, b = (x.astype(jnp.float32) for x in (qg, qa, qb))
-    (da,) = jax.linear_transpose(lambda a: product(a, b), a)(g)
-    (db,) = jax.linear_transpose(lambda b: product(a, b), b)(g)
+    # Exact: float8 values are bfloat16 values. Transposed one operand at a time: no forward pass.
+    g, a, b = (x.astype(jnp.bfloat16) for x in (qg, qa, qb))
+    (da,) = jax.linear_transpose(lambda a: product(a, b, jnp.bfloat16), a)(g)
+    (db,) = jax.linear_transpose(lambda b: product(a, b, jnp.bfloat16), b)(g)
     return da, db
 
   def forward(lhs, rhs):
     (qa, ka), (qb, kb) = quantize(lhs, FORWARD), quantize(rhs, FORWARD)
-    return unscale(product(qa, qb), ka + kb).astype(compute_dtype), (qa, ka, qb, kb)
+    y = _unscaled(lambda dtype: product(qa, qb, dtype), ka + kb, compute_dtype)
+    return y, (qa, ka, qb, kb)
 
   def backward(residuals, g):
     qa, ka, qb, kb = residuals
     qg, kg = quantize(g, BACKWARD)
     if primitive.name == "dot_general":
-      da = _dot_cotangent(qg, qb, params, qa.ndim, lhs=True)
-      db = _dot_cotangent(qg, qa, params, qb.ndim, lhs=False)
-    else:
-      da, db = _marked(conv_cotangents, "conv_backward")(qg, qa, qb)
-    return unscale(da, kg + kb).astype(lhs_dtype), unscale(db, kg + ka).astype(rhs_dtype)
+      da = _dot_cotangent(qg, qb, params, qa.ndim, kg + kb, lhs_dtype, lhs=True)
+      db = _dot_cotangent(qg, qa, params, qb.ndim, kg + ka, rhs_dtype, lhs=False)
+      return da, db
+    da, db = _marked(conv_cotangents, "conv_backward")(qg, qa, qb)
+    return _unscaled(da.astype, kg + kb, lhs_dtype), _unscaled(db.astype, kg + ka, rhs_dtype)
 
   scaled = jax.custom_vjp(lambda lhs, rhs: forward(lhs, rhs)[0])
-  scaled.defvjp(forward, backward)
+  scaled.defvjp(forward, _first_order_only(backward))
   return scaled
 
 
-def _dot_cotangent(g, other, params, ndim: int, *, lhs: bool) -> jax.Array:
-  """The cotangent of one operand of ``dot_general(lhs, rhs)``: ``g`` contracted with the other operand.
+def _first_order_only(backward):
+  """``backward`` whose own derivative is an error that names float8, never a silent zero.
+
+  Differentiating the backward pass (``jax.hessian``, a Hessian-vector product, a gradient penalty)
+  would differentiate its roundings to float8, whose derivative is zero almost everywhere.
+  """
+  refused = jax.custom_jvp(backward)
+
+  @refused.defjvp
+  def refuse(primals, tangents):
+    del primals, tangents
+    raise TypeError(
+        "A second-order derivative (`jax.hessian`, a Hessian-vector product, a gradient penalty) "
+        "reached a float8 matmul of `jaxscale.autocast` under a float8 policy ('mixed_float8'): its "
+        "backward pass rounds to float8, whose derivative is zero almost everywhere, so the result "
+        "would be silently 0. Differentiate twice under 'mixed_bfloat16' instead, or wrap the part you "
+        "differentiate twice in `jaxscale.autocast(f, 'mixed_bfloat16')` inside the float8 function."
+    )
+
+  return refused
+
+
+def _unscaled(product, k: jax.Array, dtype: Any) -> jax.Array:
+  """``product / 2**k`` in ``dtype``, where ``product(result_dtype)`` computes the scaled product in that dtype.
+
+  On a GPU, one multiplication by a power of two, a scalar: XLA folds it into the float8 GEMM
+  (cuBLASLt's alpha), which writes its result once, in ``dtype``. ``2**-k`` is a normal float32
+  for ``|k| <= 126``, wherever the two operands' absolute maxima multiply to between about 1e-33
+  and 1e43; beyond, the factor is 0 (``k > 126``: every result is below 2**-101 times the number of
+  terms) or inf (``k < -126``: every nonzero result is above 2**101). On a CPU, `unscale` of the
+  float32 product, exact over the whole range.
+  """
+  factor = jnp.where(k > 126, 0.0, jnp.where(k < -126, jnp.inf, power_of_two(-jnp.clip(k, -126, 126))))
+  return lax.platform_dependent(
+      cpu=lambda: unscale(product(np.dtype(np.float32)), k).astype(dtype),
+      default=lambda: product(np.dtype(dtype)) * factor.astype(dtype),
+  )
+
+
+def _dot_cotangent(g, other, params, ndim: int, k: jax.Array, dtype: Any, *, lhs: bool) -> jax.Array:
+  """The cotangent of one operand of ``dot_general(lhs, rhs)``: ``g`` contracted with the other operand, ``/ 2**k``.
 
   ``g``'s dimensions are the batch dimensions, then the lhs's kept ones, then the rhs's. The
-  product keeps the batch, this operand's kept dimensions, then the other's contracted ones in
-  ascending order, which pair with this operand's contracted ones; a transpose puts them back.
-  The float32 result is unscaled by the caller.
+  product takes ``g`` on the side of this operand, so that it keeps the batch, then this
+  operand's dimensions in their own order wherever the forward's were in the usual order (the
+  other's contracted ones, ascending, pair with this operand's contracted ones): the unscaling
+  is then the GEMM's only user, which XLA folds in, and the transpose that follows is none.
   """
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params["dimension_numbers"]
   own_contract, other_contract = (lhs_contract, rhs_contract) if lhs else (rhs_contract, lhs_contract)
   own_batch, other_batch = (lhs_batch, rhs_batch) if lhs else (rhs_batch, lhs_batch)
   own_kept = [d for d in range(ndim) if d not in own_contract and d not in own_batch]
-  other_kept = [d for d in range(other.ndim) if d not in other_contract and d not in other_batch]
+  other_kept = tuple(d for d in range(other.ndim) if d not in other_contract and d not in other_batch)
   batch = len(own_batch)
   lhs_kept_end = batch + (len(own_kept) if lhs else len(other_kept))
-  g_other = range(lhs_kept_end, g.ndim) if lhs else range(batch, lhs_kept_end)
-  dims = ((tuple(g_other), tuple(other_kept)), (tuple(range(batch)), tuple(other_batch)))
-  out = lax.dot_general(g, other, dims, precision=params.get("precision"), preferred_element_type=jnp.float32)
-  order = [*own_batch, *own_kept, *(own_contract[i] for i in np.argsort(other_contract))]
+  g_contract = tuple(range(lhs_kept_end, g.ndim) if lhs else range(batch, lhs_kept_end))
+  paired = [own_contract[i] for i in np.argsort(other_contract)]
+  g_batch = tuple(range(batch))
+  if lhs:
+    operands, dims = (g, other), ((g_contract, other_kept), (g_batch, other_batch))
+    order = [*own_batch, *own_kept, *paired]
+  else:
+    operands, dims = (other, g), ((other_kept, g_contract), (other_batch, g_batch))
+    order = [*own_batch, *paired, *own_kept]
+  precision = params.get("precision")
+  out = _unscaled(functools.partial(_dot, operands, dims, precision), k, dtype)
   return jnp.transpose(out, tuple(int(i) for i in np.argsort(order)))
