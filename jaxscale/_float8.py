@@ -5,15 +5,16 @@ float8 has float16's problem twice over: ``float8_e4m3fn`` holds 2**-9..448 with
 chosen from its own absolute maximum (Transformer Engine's "current scaling")::
 
     k     = the largest integer with amax(x) * 2**k <= finfo(float8).max     # 0 for amax 0, inf, NaN
-    q     = float8(x * 2**k)                  # exact product, one rounding (`nearest`)
-    y     = dot(qa, qb, accumulate=float32) / 2**(ka + kb)   # products exact in float32, `unscale` exact
+    q     = float8(x * 2**k)                  # exact product, one rounding (`_round`)
+    y     = dot(qa, qb, accumulate=float32) / 2**(ka + kb)   # products exact in float32 (`_unscaled`)
     dA    = dot(float8_e5m2(g * 2**kg), qb) / 2**(kg + kb)    # the backward's gradient in e5m2
 
 Forward operands are ``float8_e4m3fn`` (precision), cotangents ``float8_e5m2`` (range): TE's
 HYBRID format. A product of an e4m3 and an e5m2 value has at most 4 + 3 significant bits, so every
 product is exact in float32, and the float32 sum rounds as any float32 matmul does. The result is
-cast once, to the compute dtype; the gradients of the operands once, to their own dtypes (float32
-parameters get float32 gradients, without a 16-bit rounding on the way).
+rounded once, to the compute dtype; the gradient of an input of the autocast function (a float32
+parameter) once, to its own dtype, and an activation's once, to the compute dtype (as a 16-bit
+policy's are), then cast to its own.
 
 Why each piece:
 
@@ -22,11 +23,17 @@ Why each piece:
 - Current scaling (this tensor's amax, this step): no history to keep in the optimizer state, and
   no overflow when a tensor grows between steps. (Delayed scaling, TE's amax history, saves the
   reduction on a GPU; it is not here.)
+- On a GPU, the cast alone (XLA:GPU rounds float32 to float8 once; `nearest` only on a CPU), and
+  the unscaling one multiplication by a power of two, which XLA folds into the float8 GEMM
+  (cuBLASLt's alpha) so that the GEMM writes its result once, in the dtype it is returned in.
 - A non-finite amax leaves the scale at 1: a NaN or inf goes through the cast (inf becomes NaN in
   e4m3fn, which has no inf) and reaches the result, where `dynamic_loss_scaling` or the user sees it.
 - Convolutions: ``conv_general_dilated`` takes one dtype for both operands, so the backward's
-  products of an e5m2 gradient and an e4m3 operand run on those exact values in float32 (the
-  same numbers as a float8 product with float32 accumulation; the report names it).
+  products of an e5m2 gradient and an e4m3 operand run on those exact values in bfloat16 (the
+  same numbers as a float8 product; the report names it).
+- Matmuls too small for float8 to pay (`wider_reason`) run in the compute dtype.
+- Reverse mode, first order: a second derivative would differentiate the roundings (zero almost
+  everywhere), so it is an error that says so.
 """
 
 from __future__ import annotations
@@ -175,11 +182,16 @@ def _prod(sizes) -> int:
   return int(np.prod(list(sizes), dtype=np.int64))
 
 
-def matmul(primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute_dtype: Any) -> jax.Array:
+def matmul(
+    primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute_dtype: Any, inputs=(True, True)
+) -> jax.Array:
   """``primitive`` (``dot_general`` or ``conv_general_dilated``) of ``lhs`` and ``rhs``, as a scaled float8 matmul.
 
   The result is in ``compute_dtype``; differentiable (reverse mode), with the gradient quantized
-  to ``float8_e5m2`` and the operands' gradients in the operands' own dtypes. A matmul that
+  to ``float8_e5m2``. ``inputs`` says which operands are inputs of the function being autocast
+  (parameters, data): their gradients are written in their own dtype (a float32 parameter's
+  without a 16-bit rounding); an activation's, in ``compute_dtype`` (as under a 16-bit policy),
+  then cast to its dtype where its consumer reads it. A matmul that
   `wider_reason` keeps wider runs in ``compute_dtype`` inside a ``jit`` named after the reason,
   so that `precision_report` can say why.
   """
@@ -187,7 +199,7 @@ def matmul(primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute
   if reason is not None:
     wide = functools.partial(_bind, primitive, dict(params, preferred_element_type=np.dtype(compute_dtype)))
     return _marked(wide, reason)(lhs.astype(compute_dtype), rhs.astype(compute_dtype))
-  return _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype)(lhs, rhs)
+  return _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype, inputs)(lhs, rhs)
 
 
 def warn_float8_arguments(arrays) -> None:
@@ -235,8 +247,10 @@ def _marked(fun, reason: str):
   return jax.jit(marked)
 
 
-def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype):
-  """The scaled float8 product of two operands, with its reverse-mode rule."""
+def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True, True)):
+  """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``: see `matmul`)."""
+  written = [dtype if given else compute_dtype for dtype, given in zip((lhs_dtype, rhs_dtype), inputs)]
+
 
   def product(a, b, dtype):
     return _bind(primitive, dict(params, preferred_element_type=np.dtype(dtype)), a, b)
@@ -257,11 +271,12 @@ def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype):
     qa, ka, qb, kb = residuals
     qg, kg = quantize(g, BACKWARD)
     if primitive.name == "dot_general":
-      da = _dot_cotangent(qg, qb, params, qa.ndim, kg + kb, lhs_dtype, lhs=True)
-      db = _dot_cotangent(qg, qa, params, qb.ndim, kg + ka, rhs_dtype, lhs=False)
-      return da, db
-    da, db = _marked(conv_cotangents, "conv_backward")(qg, qa, qb)
-    return _unscaled(da.astype, kg + kb, lhs_dtype), _unscaled(db.astype, kg + ka, rhs_dtype)
+      da = _dot_cotangent(qg, qb, params, qa.ndim, kg + kb, written[0], lhs=True)
+      db = _dot_cotangent(qg, qa, params, qb.ndim, kg + ka, written[1], lhs=False)
+    else:
+      da, db = _marked(conv_cotangents, "conv_backward")(qg, qa, qb)
+      da, db = _unscaled(da.astype, kg + kb, written[0]), _unscaled(db.astype, kg + ka, written[1])
+    return da.astype(lhs_dtype), db.astype(rhs_dtype)
 
   scaled = jax.custom_vjp(lambda lhs, rhs: forward(lhs, rhs)[0])
   scaled.defvjp(forward, _first_order_only(backward))

@@ -688,3 +688,26 @@ def test_nearest_is_ml_dtypes_rounding_where_a_cast_alone_rounds_twice():
   q, k = _float8.quantize(jnp.asarray(x), E4M3)  # eagerly: the cast runs alone
   assert int(k) == 2
   np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.ldexp(x.astype(np.float64), 2).astype(E4M3).view(np.uint8))
+
+
+def test_an_activations_gradient_is_written_in_the_compute_dtype_a_parameters_in_its_own(monkeypatch):
+  """autocast tells the float8 matmul which operands are the function's inputs (parameters, data):
+  their gradients come back without a 16-bit rounding; an activation's is rounded to bfloat16 once (its
+  GEMM writes half the bytes), as under "mixed_bfloat16"."""
+  seen = []
+  rule = _float8.matmul
+  monkeypatch.setattr(_float8, "matmul", lambda *args: seen.append(tuple(args[5])) or rule(*args))
+
+  def f(w1, w2, x):
+    return jnp.sum(jnp.tanh(x @ w1) @ w2)
+
+  w1, w2, x = (jnp.asarray(normal((32, 32), seed=seed)) for seed in range(3))
+  jax.grad(jaxscale.autocast(f, "mixed_float8"), argnums=(0, 1))(w1, w2, x)
+  assert seen == [(True, True), (False, True)]
+  primitive, params = operation(lambda a, b: a @ b, x, w1)
+  a = jnp.tanh(x)  # float32, as a float32-list operation leaves an activation
+  _, pullback = jax.vjp(_float8._scaled(primitive, params, jnp.bfloat16, F32, F32, (False, True)), a, w1)
+  da, dw = pullback(jnp.asarray(normal((32, 32), seed=3), jnp.bfloat16))
+  assert da.dtype == dw.dtype == F32
+  np.testing.assert_array_equal(da, np.asarray(da).astype(ml_dtypes.bfloat16).astype(F32))  # one bfloat16 rounding
+  assert (np.asarray(dw) != np.asarray(dw).astype(ml_dtypes.bfloat16).astype(F32)).mean() > 0.5  # float32's
