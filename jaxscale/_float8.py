@@ -63,8 +63,9 @@ REASONS = {
     ),
     "intensity": (
         "fewer than 512 multiply-adds per element it reads or writes (M*K*N / (M*K + K*N + M*N) for "
-        "an [M,K] x [K,N] product): on an H100 its float8 GEMM saves less time than quantizing its "
-        "operands (an absolute-maximum pass and a cast pass each) costs"
+        "an [M,K] x [K,N] product; three times that for a convolution, whose backward products run in "
+        "bfloat16): on an H100 its float8 GEMM saves less time than quantizing its operands (an "
+        "absolute-maximum pass and a cast pass each) costs"
     ),
     "conv_backward": (
         "a convolution's backward product: `lax.conv_general_dilated` takes one dtype for both "
@@ -77,6 +78,11 @@ _SMALL = 16
 # and backward, float32 weights, bfloat16 activations, in the compiled H100 program's roofline, breaks
 # even near 450 (4096 x 1024 x 1024: 0.99 of bfloat16's time; 683: 0.76; 341: 1.31; benchmarks/NOTES.md).
 MIN_INTENSITY = 512
+# A convolution gains in its forward product only (cuDNN has no float8 backward), a third of what a
+# matmul gains for the same quantization: it needs three times the intensity. (The instrument counts
+# no FLOPs for cuDNN calls; a 3x3 convolution of 256 channels, intensity about 1150, measured 1.76x
+# bfloat16's estimate there, bytes alone.)
+_CONV_FACTOR = 3
 
 #: Matmul primitives that a float8 policy does not reach: they run as the program gave them.
 OTHER_MATMULS = frozenset({"ragged_dot_general", "scaled_matmul_wrapper", "scaled_dot_general"})
@@ -173,7 +179,8 @@ def wider_reason(primitive: Any, params: dict, lhs_shape: tuple, rhs_shape: tupl
     return "small"
   operands = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in (lhs_shape, rhs_shape)]
   out = _prod(jax.eval_shape(functools.partial(_bind, primitive, params), *operands).shape)
-  if out * contracted < MIN_INTENSITY * (_prod(lhs_shape) + _prod(rhs_shape) + out):
+  rule = MIN_INTENSITY * (1 if primitive.name == "dot_general" else _CONV_FACTOR)
+  if out * contracted < rule * (_prod(lhs_shape) + _prod(rhs_shape) + out):
     return "intensity"
   return None
 

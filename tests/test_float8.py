@@ -613,6 +613,26 @@ def test_the_rule_keeps_a_batched_attention_product_wider_and_the_projections_fl
   assert set(report.kept_wider) == {"intensity"}
 
 
+@pytest.mark.parametrize("channels,float8", [(256, False), (1024, True)], ids=["256_channels", "1024_channels"])
+def test_a_convolution_needs_three_times_the_intensity(channels, float8, monkeypatch):
+  """A 3x3 convolution of C channels at 28x28 has intensity about 9 C / 2 (its input and output are the
+  same size): 1150 for 256, below 3 * 512 (only its forward product gains); 4600 for 1024, above."""
+  monkeypatch.setattr(_float8, "MIN_INTENSITY", RULE)
+
+  def f(w, x):
+    return jnp.sum(lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+
+  w = jax.ShapeDtypeStruct((3, 3, channels, channels), jnp.float32)
+  x = jax.ShapeDtypeStruct((32, 28, 28, channels), jnp.float32)
+  report = jaxscale.precision_report(jax.grad(jaxscale.autocast(f, "mixed_float8"), argnums=(0, 1)), w, x)
+  flops = 2.0 * 32 * 28 * 28 * channels * 9 * channels
+  if float8:  # the backward's two products in bfloat16, on the float8 values
+    assert report.matmul_flops == {"float8_e4m3fn": flops, "bfloat16": 2 * flops}
+    assert report.kept_wider == {"conv_backward": 2 * flops}
+  else:
+    assert report.matmul_flops == {"bfloat16": 3 * flops} and report.kept_wider == {"intensity": 3 * flops}
+
+
 # --- second order: refused by name, never zero ----------------------------------------------------
 
 SECOND_ORDER = {
