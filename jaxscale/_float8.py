@@ -258,7 +258,6 @@ def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True
   """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``: see `matmul`)."""
   written = [dtype if given else compute_dtype for dtype, given in zip((lhs_dtype, rhs_dtype), inputs)]
 
-
   def product(a, b, dtype):
     return _bind(primitive, dict(params, preferred_element_type=np.dtype(dtype)), a, b)
 
@@ -336,7 +335,7 @@ def _dot_cotangent(g, other, params, ndim: int, k: jax.Array, dtype: Any, *, lhs
   product takes ``g`` on the side of this operand, so that it keeps the batch, then this
   operand's dimensions in their own order wherever the forward's were in the usual order (the
   other's contracted ones, ascending, pair with this operand's contracted ones): the unscaling
-  is then the GEMM's only user, which XLA folds in, and the transpose that follows is none.
+  is then the GEMM's only user, which XLA folds in, and the transpose that follows the identity.
   """
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params["dimension_numbers"]
   own_contract, other_contract = (lhs_contract, rhs_contract) if lhs else (rhs_contract, lhs_contract)
