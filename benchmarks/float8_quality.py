@@ -15,6 +15,10 @@ whether the mean lies inside float32's seed spread (min..max over the seeds). Ro
                                             256-wide dimension) kept in bfloat16 (patched the same
                                             way): measures whether the logits need it
 
+Every mixed_float8 row runs with the speed rule off (`jaxscale._float8.MIN_INTENSITY` patched to 0):
+the examples' matmuls are far below the size at which float8 pays on a GPU, so under the preset
+they would run in bfloat16; this script measures float8's numerics on them.
+
     python benchmarks/float8_quality.py digits --seeds 0 1 2
     python benchmarks/float8_quality.py lm --seeds 0 1 2 -- --steps 200   # flags after -- go to the example
 """
@@ -31,6 +35,17 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float8")
+
+
+@contextlib.contextmanager
+def float8_at_any_size():
+  from jaxscale import _float8
+
+  rule, _float8.MIN_INTENSITY = _float8.MIN_INTENSITY, 0
+  try:
+    yield
+  finally:
+    _float8.MIN_INTENSITY = rule
 
 
 @contextlib.contextmanager
@@ -91,18 +106,20 @@ def run(example: str, seed: int, extra: list[str], ablate: bool, logits_wider: b
   module = __import__(example)
   common = ["--seed", str(seed), "--no-plot", "--no-progress", *extra]
   losses = {}
-  for result in module.main([*common, *(f"--precision={p}" for p in POLICIES)]):
+  with float8_at_any_size():
+    results = module.main([*common, *(f"--precision={p}" for p in POLICIES)])
+  for result in results:
     losses[result.name] = result.eval_metrics[-1]["loss"]
   if example == "digits":
     with flax_fp8_cnn():
       (result,) = module.main([*common, "--runs", "0"])
     losses["flax fp8_ops (Dense), bfloat16 convs"] = result.eval_metrics[-1]["loss"]
   if ablate:
-    with every_matmul_in_float8():
+    with float8_at_any_size(), every_matmul_in_float8():
       (result,) = module.main([*common, "--precision=mixed_float8"])
     losses["mixed_float8, every matmul (ablation)"] = result.eval_metrics[-1]["loss"]
   if logits_wider:
-    with logits_in_bfloat16():
+    with float8_at_any_size(), logits_in_bfloat16():
       (result,) = module.main([*common, "--precision=mixed_float8"])
     losses["mixed_float8, logits in bfloat16 (ablation)"] = result.eval_metrics[-1]["loss"]
   return losses

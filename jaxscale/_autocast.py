@@ -28,6 +28,7 @@ with its signature kept, every other parameter untouched. A nested ``autocast`` 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import sys
@@ -167,7 +168,11 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
       return out_leaves, [written[i] for i in found["written"]]
 
     closed = jax.make_jaxpr(traced)(*arrays)
-    outs = evaluate(closed.jaxpr, closed.consts, arrays, policy)
+    token = _INPUTS.set(arrays)
+    try:
+      outs = evaluate(closed.jaxpr, closed.consts, arrays, policy)
+    finally:
+      _INPUTS.reset(token)
     split = len(outs) - len(found["written"])
     out = jax.tree.unflatten(found["out_tree"], outs[:split])
     return policy.cast_to_output(out), dict(zip(found["written"], outs[split:]))
@@ -221,6 +226,12 @@ class _Static:
     return isinstance(other, _Static) and self._key == other._key
 
 
+# The arrays the autocast function was called with, while its program is evaluated: a float8
+# matmul writes the gradient of one of them (a parameter) in its own dtype, an activation's in the
+# compute dtype.
+_INPUTS: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxscale_autocast_inputs", default=())
+
+
 def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], policy: _policy.Policy, *, keep_signature: bool = True) -> list:
   """The outputs of ``jaxpr`` on ``args``, autocast.
 
@@ -252,7 +263,8 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
   compute = policy.compute_dtype
   if policy.matmul_dtype is not None:
     lhs, rhs = ins
-    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute)]
+    inputs = [any(x is arg for arg in _INPUTS.get()) for x in ins]
+    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs)]
   return _interpret.bind(eqn, [_to(x, compute) for x in ins], dict(eqn.params, preferred_element_type=compute))
 
 

@@ -5,15 +5,16 @@ float8 has float16's problem twice over: ``float8_e4m3fn`` holds 2**-9..448 with
 chosen from its own absolute maximum (Transformer Engine's "current scaling")::
 
     k     = the largest integer with amax(x) * 2**k <= finfo(float8).max     # 0 for amax 0, inf, NaN
-    q     = float8(x * 2**k)                  # exact product, one rounding (`nearest`)
-    y     = dot(qa, qb, accumulate=float32) / 2**(ka + kb)   # products exact in float32, `unscale` exact
+    q     = float8(x * 2**k)                  # exact product, one rounding (`_round`)
+    y     = dot(qa, qb, accumulate=float32) / 2**(ka + kb)   # products exact in float32 (`_unscaled`)
     dA    = dot(float8_e5m2(g * 2**kg), qb) / 2**(kg + kb)    # the backward's gradient in e5m2
 
 Forward operands are ``float8_e4m3fn`` (precision), cotangents ``float8_e5m2`` (range): TE's
 HYBRID format. A product of an e4m3 and an e5m2 value has at most 4 + 3 significant bits, so every
 product is exact in float32, and the float32 sum rounds as any float32 matmul does. The result is
-cast once, to the compute dtype; the gradients of the operands once, to their own dtypes (float32
-parameters get float32 gradients, without a 16-bit rounding on the way).
+rounded once, to the compute dtype; the gradient of an input of the autocast function (a float32
+parameter) once, to its own dtype, and an activation's once, to the compute dtype (as a 16-bit
+policy's are), then cast to its own.
 
 Why each piece:
 
@@ -22,11 +23,17 @@ Why each piece:
 - Current scaling (this tensor's amax, this step): no history to keep in the optimizer state, and
   no overflow when a tensor grows between steps. (Delayed scaling, TE's amax history, saves the
   reduction on a GPU; it is not here.)
+- On a GPU, the cast alone (XLA:GPU rounds float32 to float8 once; `nearest` only on a CPU), and
+  the unscaling one multiplication by a power of two, which XLA folds into the float8 GEMM
+  (cuBLASLt's alpha) so that the GEMM writes its result once, in the dtype it is returned in.
 - A non-finite amax leaves the scale at 1: a NaN or inf goes through the cast (inf becomes NaN in
   e4m3fn, which has no inf) and reaches the result, where `dynamic_loss_scaling` or the user sees it.
 - Convolutions: ``conv_general_dilated`` takes one dtype for both operands, so the backward's
-  products of an e5m2 gradient and an e4m3 operand run on those exact values in float32 (the
-  same numbers as a float8 product with float32 accumulation; the report names it).
+  products of an e5m2 gradient and an e4m3 operand run on those exact values in bfloat16 (the
+  same numbers as a float8 product; the report names it).
+- Matmuls too small for float8 to pay (`wider_reason`) run in the compute dtype.
+- Reverse mode, first order: a second derivative would differentiate the roundings (zero almost
+  everywhere), so it is an error that says so.
 """
 
 from __future__ import annotations
@@ -54,12 +61,28 @@ REASONS = {
         "a contracted size or an output dimension below 16: float8 tensor cores work in tiles of "
         "16, so float8 would cost this matmul its precision and gain it no speed"
     ),
+    "intensity": (
+        "fewer than 512 multiply-adds per element it reads or writes (M*K*N / (M*K + K*N + M*N) for "
+        "an [M,K] x [K,N] product; three times that for a convolution, whose backward products run in "
+        "bfloat16): on an H100 its float8 GEMM saves less time than quantizing its operands (an "
+        "absolute-maximum pass and a cast pass each) costs"
+    ),
     "conv_backward": (
         "a convolution's backward product: `lax.conv_general_dilated` takes one dtype for both "
-        "operands, so the e5m2 gradient and the e4m3 operand multiply, exactly, in float32"
+        "operands, and no float8 format holds both the e5m2 gradient and the e4m3 operand, so they "
+        "multiply, exactly, in bfloat16 (which holds every float8 value)"
     ),
 }
 _SMALL = 16
+# The arithmetic intensity below which float8 does not pay on an H100: one [M,K] x [K,N] matmul forward
+# and backward, float32 weights, bfloat16 activations, in the compiled H100 program's roofline, breaks
+# even near 450 (4096 x 1024 x 1024: 0.99 of bfloat16's time; 683: 0.76; 341: 1.31; benchmarks/NOTES.md).
+MIN_INTENSITY = 512
+# A convolution gains in its forward product only (cuDNN has no float8 backward), a third of what a
+# matmul gains for the same quantization: it needs three times the intensity. (The instrument counts
+# no FLOPs for cuDNN calls; a 3x3 convolution of 256 channels, intensity about 1150, measured 1.76x
+# bfloat16's estimate there, bytes alone.)
+_CONV_FACTOR = 3
 
 #: Matmul primitives that a float8 policy does not reach: they run as the program gave them.
 OTHER_MATMULS = frozenset({"ragged_dot_general", "scaled_matmul_wrapper", "scaled_dot_general"})
@@ -95,7 +118,18 @@ def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
   wide = jnp.promote_types(x.dtype, jnp.float32)
   x = x.astype(wide)
   k = scale_exponent(jnp.max(jnp.abs(x)) if x.size else jnp.zeros((), wide), dtype)
-  return nearest(x * power_of_two(k).astype(wide), dtype).astype(dtype), k
+  return _round(x * power_of_two(k).astype(wide), dtype), k
+
+
+def _round(y: jax.Array, dtype: Any) -> jax.Array:
+  """``y`` cast to the float8 ``dtype``, rounded once; `nearest` first on a CPU only, where XLA rounds twice.
+
+  XLA:GPU converts float32 to float8 in one rounding, so its programs carry the cast alone (one
+  operation per element, fused into the producer) rather than `nearest`'s thirty.
+  """
+  return lax.platform_dependent(
+      y, cpu=lambda y: nearest(y, dtype).astype(dtype), default=lambda y: y.astype(dtype)
+  )
 
 
 def nearest(y: jax.Array, dtype: Any) -> jax.Array:
@@ -133,26 +167,38 @@ def wider_reason(primitive: Any, params: dict, lhs_shape: tuple, rhs_shape: tupl
   """The key in `REASONS` of why this matmul stays in the compute dtype, or None: it runs in float8."""
   if primitive.name == "dot_general":
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params["dimension_numbers"]
-    sizes = [
-        _prod(lhs_shape[d] for d in lhs_contract),
+    contracted = _prod(lhs_shape[d] for d in lhs_contract)
+    kept = [
         _prod(s for d, s in enumerate(lhs_shape) if d not in lhs_contract and d not in lhs_batch),
         _prod(s for d, s in enumerate(rhs_shape) if d not in rhs_contract and d not in rhs_batch),
     ]
   else:  # conv_general_dilated: contracted over the input features and the window
     spec = params["dimension_numbers"].rhs_spec  # (out features, in features, *window)
-    sizes = [_prod(rhs_shape[d] for d in spec[1:]), rhs_shape[spec[0]]]
-  return "small" if min(sizes) < _SMALL else None
+    contracted, kept = _prod(rhs_shape[d] for d in spec[1:]), [rhs_shape[spec[0]]]
+  if min(contracted, *kept) < _SMALL:
+    return "small"
+  operands = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in (lhs_shape, rhs_shape)]
+  out = _prod(jax.eval_shape(functools.partial(_bind, primitive, params), *operands).shape)
+  rule = MIN_INTENSITY * (1 if primitive.name == "dot_general" else _CONV_FACTOR)
+  if out * contracted < rule * (_prod(lhs_shape) + _prod(rhs_shape) + out):
+    return "intensity"
+  return None
 
 
 def _prod(sizes) -> int:
   return int(np.prod(list(sizes), dtype=np.int64))
 
 
-def matmul(primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute_dtype: Any) -> jax.Array:
+def matmul(
+    primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute_dtype: Any, inputs=(True, True)
+) -> jax.Array:
   """``primitive`` (``dot_general`` or ``conv_general_dilated``) of ``lhs`` and ``rhs``, as a scaled float8 matmul.
 
   The result is in ``compute_dtype``; differentiable (reverse mode), with the gradient quantized
-  to ``float8_e5m2`` and the operands' gradients in the operands' own dtypes. A matmul that
+  to ``float8_e5m2``. ``inputs`` says which operands are inputs of the function being autocast
+  (parameters, data): their gradients are written in their own dtype (a float32 parameter's
+  without a 16-bit rounding); an activation's, in ``compute_dtype`` (as under a 16-bit policy),
+  then cast to its dtype where its consumer reads it. A matmul that
   `wider_reason` keeps wider runs in ``compute_dtype`` inside a ``jit`` named after the reason,
   so that `precision_report` can say why.
   """
@@ -160,7 +206,7 @@ def matmul(primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute
   if reason is not None:
     wide = functools.partial(_bind, primitive, dict(params, preferred_element_type=np.dtype(compute_dtype)))
     return _marked(wide, reason)(lhs.astype(compute_dtype), rhs.astype(compute_dtype))
-  return _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype)(lhs, rhs)
+  return _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype, inputs)(lhs, rhs)
 
 
 def warn_float8_arguments(arrays) -> None:
@@ -190,6 +236,10 @@ def warn_not_float8(name: str) -> None:
   )
 
 
+def _dot(operands, dims, precision, dtype):
+  return lax.dot_general(*operands, dims, precision=precision, preferred_element_type=dtype)
+
+
 def _bind(primitive, params, *operands):
   return primitive.bind(*operands, **params)
 
@@ -204,54 +254,105 @@ def _marked(fun, reason: str):
   return jax.jit(marked)
 
 
-def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype):
-  """The scaled float8 product of two operands, with its reverse-mode rule."""
-  params = dict(params, preferred_element_type=np.dtype(np.float32))
-  product = functools.partial(_bind, primitive, params)
+def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True, True)):
+  """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``: see `matmul`)."""
+  written = [dtype if given else compute_dtype for dtype, given in zip((lhs_dtype, rhs_dtype), inputs)]
+
+  def product(a, b, dtype):
+    return _bind(primitive, dict(params, preferred_element_type=np.dtype(dtype)), a, b)
 
   def conv_cotangents(qg, qa, qb):
-    # Exact: float8 values are float32 values. Transposed one operand at a time: no forward pass.
-    g, a, b = (x.astype(jnp.float32) for x in (qg, qa, qb))
-    (da,) = jax.linear_transpose(lambda a: product(a, b), a)(g)
-    (db,) = jax.linear_transpose(lambda b: product(a, b), b)(g)
+    # Exact: float8 values are bfloat16 values. Transposed one operand at a time: no forward pass.
+    g, a, b = (x.astype(jnp.bfloat16) for x in (qg, qa, qb))
+    (da,) = jax.linear_transpose(lambda a: product(a, b, jnp.bfloat16), a)(g)
+    (db,) = jax.linear_transpose(lambda b: product(a, b, jnp.bfloat16), b)(g)
     return da, db
 
   def forward(lhs, rhs):
     (qa, ka), (qb, kb) = quantize(lhs, FORWARD), quantize(rhs, FORWARD)
-    return unscale(product(qa, qb), ka + kb).astype(compute_dtype), (qa, ka, qb, kb)
+    y = _unscaled(lambda dtype: product(qa, qb, dtype), ka + kb, compute_dtype)
+    return y, (qa, ka, qb, kb)
 
   def backward(residuals, g):
     qa, ka, qb, kb = residuals
     qg, kg = quantize(g, BACKWARD)
     if primitive.name == "dot_general":
-      da = _dot_cotangent(qg, qb, params, qa.ndim, lhs=True)
-      db = _dot_cotangent(qg, qa, params, qb.ndim, lhs=False)
+      da = _dot_cotangent(qg, qb, params, qa.ndim, kg + kb, written[0], lhs=True)
+      db = _dot_cotangent(qg, qa, params, qb.ndim, kg + ka, written[1], lhs=False)
     else:
       da, db = _marked(conv_cotangents, "conv_backward")(qg, qa, qb)
-    return unscale(da, kg + kb).astype(lhs_dtype), unscale(db, kg + ka).astype(rhs_dtype)
+      da, db = _unscaled(da.astype, kg + kb, written[0]), _unscaled(db.astype, kg + ka, written[1])
+    return da.astype(lhs_dtype), db.astype(rhs_dtype)
 
   scaled = jax.custom_vjp(lambda lhs, rhs: forward(lhs, rhs)[0])
-  scaled.defvjp(forward, backward)
+  scaled.defvjp(forward, _first_order_only(backward))
   return scaled
 
 
-def _dot_cotangent(g, other, params, ndim: int, *, lhs: bool) -> jax.Array:
-  """The cotangent of one operand of ``dot_general(lhs, rhs)``: ``g`` contracted with the other operand.
+def _first_order_only(backward):
+  """``backward`` whose own derivative is an error that names float8, never a silent zero.
+
+  Differentiating the backward pass (``jax.hessian``, a Hessian-vector product, a gradient penalty)
+  would differentiate its roundings to float8, whose derivative is zero almost everywhere.
+  """
+  refused = jax.custom_jvp(backward)
+
+  @refused.defjvp
+  def refuse(primals, tangents):
+    del primals, tangents
+    raise TypeError(
+        "A second-order derivative (`jax.hessian`, a Hessian-vector product, a gradient penalty) "
+        "reached a float8 matmul of `jaxscale.autocast` under a float8 policy ('mixed_float8'): its "
+        "backward pass rounds to float8, whose derivative is zero almost everywhere, so the result "
+        "would be silently 0. Differentiate twice under 'mixed_bfloat16' instead, or wrap the part you "
+        "differentiate twice in `jaxscale.autocast(f, 'mixed_bfloat16')` inside the float8 function."
+    )
+
+  return refused
+
+
+def _unscaled(product, k: jax.Array, dtype: Any) -> jax.Array:
+  """``product / 2**k`` in ``dtype``, where ``product(result_dtype)`` computes the scaled product in that dtype.
+
+  On a GPU, one multiplication by a power of two, a scalar: XLA folds it into the float8 GEMM
+  (cuBLASLt's alpha), which writes its result once, in ``dtype``. ``2**-k`` is a normal float32
+  for ``|k| <= 126``, wherever the two operands' absolute maxima multiply to between about 1e-33
+  and 1e43; beyond, the factor is 0 (``k > 126``: every result is below 2**-101 times the number of
+  terms) or inf (``k < -126``: every nonzero result is above 2**101). On a CPU, `unscale` of the
+  float32 product, exact over the whole range.
+  """
+  factor = jnp.where(k > 126, 0.0, jnp.where(k < -126, jnp.inf, power_of_two(-jnp.clip(k, -126, 126))))
+  return lax.platform_dependent(
+      cpu=lambda: unscale(product(np.dtype(np.float32)), k).astype(dtype),
+      default=lambda: product(np.dtype(dtype)) * factor.astype(dtype),
+  )
+
+
+def _dot_cotangent(g, other, params, ndim: int, k: jax.Array, dtype: Any, *, lhs: bool) -> jax.Array:
+  """The cotangent of one operand of ``dot_general(lhs, rhs)``: ``g`` contracted with the other operand, ``/ 2**k``.
 
   ``g``'s dimensions are the batch dimensions, then the lhs's kept ones, then the rhs's. The
-  product keeps the batch, this operand's kept dimensions, then the other's contracted ones in
-  ascending order, which pair with this operand's contracted ones; a transpose puts them back.
-  The float32 result is unscaled by the caller.
+  product takes ``g`` on the side of this operand, so that it keeps the batch, then this
+  operand's dimensions in their own order wherever the forward's were in the usual order (the
+  other's contracted ones, ascending, pair with this operand's contracted ones): the unscaling
+  is then the GEMM's only user, which XLA folds in, and the transpose that follows the identity.
   """
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params["dimension_numbers"]
   own_contract, other_contract = (lhs_contract, rhs_contract) if lhs else (rhs_contract, lhs_contract)
   own_batch, other_batch = (lhs_batch, rhs_batch) if lhs else (rhs_batch, lhs_batch)
   own_kept = [d for d in range(ndim) if d not in own_contract and d not in own_batch]
-  other_kept = [d for d in range(other.ndim) if d not in other_contract and d not in other_batch]
+  other_kept = tuple(d for d in range(other.ndim) if d not in other_contract and d not in other_batch)
   batch = len(own_batch)
   lhs_kept_end = batch + (len(own_kept) if lhs else len(other_kept))
-  g_other = range(lhs_kept_end, g.ndim) if lhs else range(batch, lhs_kept_end)
-  dims = ((tuple(g_other), tuple(other_kept)), (tuple(range(batch)), tuple(other_batch)))
-  out = lax.dot_general(g, other, dims, precision=params.get("precision"), preferred_element_type=jnp.float32)
-  order = [*own_batch, *own_kept, *(own_contract[i] for i in np.argsort(other_contract))]
+  g_contract = tuple(range(lhs_kept_end, g.ndim) if lhs else range(batch, lhs_kept_end))
+  paired = [own_contract[i] for i in np.argsort(other_contract)]
+  g_batch = tuple(range(batch))
+  if lhs:
+    operands, dims = (g, other), ((g_contract, other_kept), (g_batch, other_batch))
+    order = [*own_batch, *own_kept, *paired]
+  else:
+    operands, dims = (other, g), ((other_kept, g_contract), (other_batch, g_batch))
+    order = [*own_batch, *paired, *own_kept]
+  precision = params.get("precision")
+  out = _unscaled(functools.partial(_dot, operands, dims, precision), k, dtype)
   return jnp.transpose(out, tuple(int(i) for i in np.argsort(order)))

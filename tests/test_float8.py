@@ -29,6 +29,15 @@ UNIT = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 ACCUMULATION_UNIT = 2.0**-24 if jax.default_backend() == "cpu" else 2.0**-14
 HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
 MATMUL = (((1,), (0,)), ((), ()))
+RULE = _float8.MIN_INTENSITY  # the arithmetic intensity below which float8 does not pay on an H100
+
+
+@pytest.fixture(autouse=True)
+def every_matmul_float8_can_take(monkeypatch):
+  """The models here are far below the arithmetic intensity at which float8 pays on an H100: with that
+  rule off, their matmuls run in float8, whose routing and numerics these tests check. The rule's own
+  tests switch it back on."""
+  monkeypatch.setattr(_float8, "MIN_INTENSITY", 0)
 
 
 # --- the reference: NumPy in float64, ml_dtypes' casts ---------------------------------------------
@@ -406,6 +415,8 @@ def assert_float8(fun, *args, wider=()):
       assert reason in wider, (dtypes, reason)
       kinds.add(reason)
     else:
+      # The right operand's gradient takes the e5m2 gradient on the right: its GEMM writes that layout.
+      dtypes = dtypes[::-1] if dtypes == (E4M3, E5M2) else dtypes
       assert dtypes in ((E4M3, E4M3), (E5M2, E4M3)), dtypes
       kinds.add(dtypes)
   assert {(E4M3, E4M3), (E5M2, E4M3)} <= kinds and set(wider) <= kinds
@@ -547,7 +558,7 @@ def test_report_names_the_convolution_backward():
   w, x = jnp.asarray(normal((16, 16, 3, 3))), jnp.asarray(normal((2, 16, 8, 8), seed=1))
   report = jaxscale.precision_report(jax.grad(jaxscale.autocast(loss, "mixed_float8")), w, x)
   flops = 2.0 * 2 * 8 * 8 * 16 * 16 * 9  # output elements times 2 * (in features * window)
-  assert report.matmul_flops == {"float8_e4m3fn": flops, "float32": 2 * flops}
+  assert report.matmul_flops == {"float8_e4m3fn": flops, "bfloat16": 2 * flops}  # never float32
   assert report.kept_wider == {"conv_backward": 2 * flops}
   assert "`lax.conv_general_dilated` takes one dtype for both operands" in str(report)
 
@@ -559,6 +570,95 @@ def test_integer_matmuls_are_left_as_they_are():
   a, b = jnp.ones((32, 32), jnp.int32), jnp.ones((32, 32), jnp.int32)
   report = jaxscale.precision_report(jaxscale.autocast(f, "mixed_float8"), a, b, jnp.ones((32, 32)), jnp.ones((32, 32)))
   assert report.matmul_flops == {"int32": 2.0 * 32**3, "float8_e4m3fn": 2.0 * 32**3}
+
+
+def intensity(m, k, n):
+  """Multiply-adds per element read or written by an [m,k] x [k,n] product, in exact integers."""
+  return m * k * n / (m * k + k * n + m * n)
+
+
+@pytest.mark.parametrize(
+    "m,k,n",
+    [
+        (8192, 4096, 4096), (4096, 1024, 1024), (1536, 1536, 1536), (1533, 1533, 1533), (2048, 256, 2048),
+        (32, 32, 64),
+    ],
+    ids=["projection", "small_projection", "at_the_rule", "just_below", "attention_scores", "tiny"],
+)
+def test_a_matmul_too_small_for_float8_to_pay_stays_bfloat16_forward_and_backward(m, k, n, monkeypatch):
+  """Traced only (nothing runs): each of the three products, forward and backward, is float8 exactly
+  when the forward's intensity reaches the rule, else bfloat16 with the reason in the report."""
+  monkeypatch.setattr(_float8, "MIN_INTENSITY", RULE)
+  cast = jaxscale.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)), "mixed_float8")
+  w, x = jax.ShapeDtypeStruct((k, n), jnp.float32), jax.ShapeDtypeStruct((m, k), jnp.float32)
+  report = jaxscale.precision_report(jax.grad(cast, argnums=(0, 1)), w, x)
+  flops = 2.0 * m * k * n
+  if intensity(m, k, n) >= RULE:
+    assert report.matmul_flops == {"float8_e4m3fn": flops, "float8_e5m2": 2 * flops} and not report.kept_wider
+  else:
+    assert report.matmul_flops == {"bfloat16": 3 * flops} and report.kept_wider == {"intensity": 3 * flops}
+    assert "(intensity): fewer than 512 multiply-adds per element" in str(report)
+
+
+def test_the_rule_keeps_a_batched_attention_product_wider_and_the_projections_float8(monkeypatch):
+  """Attention's scores (head size 64, 1024 positions: intensity 57) stay bfloat16; its projection
+  (4096 x 1024 x 3072: 648) runs in float8."""
+  monkeypatch.setattr(_float8, "MIN_INTENSITY", RULE)
+
+  def f(w, x):
+    q, k, _ = jnp.split((x @ w).reshape(4, 1024, 3, 16, 64), 3, axis=2)
+    return jnp.sum(jnp.einsum("bqhd,bkhd->bhqk", q[:, :, 0], k[:, :, 0]))
+
+  w, x = jnp.zeros((1024, 3072)), jnp.zeros((4096, 1024))
+  report = jaxscale.precision_report(jaxscale.autocast(f, "mixed_float8"), w, x)
+  scores = 2.0 * 4 * 16 * 1024 * 1024 * 64
+  assert report.matmul_flops == {"float8_e4m3fn": 2.0 * 4096 * 1024 * 3072, "bfloat16": scores}
+  assert set(report.kept_wider) == {"intensity"}
+
+
+@pytest.mark.parametrize("channels,float8", [(256, False), (1024, True)], ids=["256_channels", "1024_channels"])
+def test_a_convolution_needs_three_times_the_intensity(channels, float8, monkeypatch):
+  """A 3x3 convolution of C channels at 28x28 has intensity about 9 C / 2 (its input and output are the
+  same size): 1150 for 256, below 3 * 512 (only its forward product gains); 4600 for 1024, above."""
+  monkeypatch.setattr(_float8, "MIN_INTENSITY", RULE)
+
+  def f(w, x):
+    return jnp.sum(lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+
+  w = jax.ShapeDtypeStruct((3, 3, channels, channels), jnp.float32)
+  x = jax.ShapeDtypeStruct((32, 28, 28, channels), jnp.float32)
+  report = jaxscale.precision_report(jax.grad(jaxscale.autocast(f, "mixed_float8"), argnums=(0, 1)), w, x)
+  flops = 2.0 * 32 * 28 * 28 * channels * 9 * channels
+  if float8:  # the backward's two products in bfloat16, on the float8 values
+    assert report.matmul_flops == {"float8_e4m3fn": flops, "bfloat16": 2 * flops}
+    assert report.kept_wider == {"conv_backward": 2 * flops}
+  else:
+    assert report.matmul_flops == {"bfloat16": 3 * flops} and report.kept_wider == {"intensity": 3 * flops}
+
+
+# --- second order: refused by name, never zero ----------------------------------------------------
+
+SECOND_ORDER = {
+    "hessian_vector_product": lambda f, w, x: jax.jvp(jax.grad(f), (w, x), (w, jnp.zeros_like(x)))[1],
+    "gradient_penalty": lambda f, w, x: jax.grad(lambda w: jnp.sum(jax.grad(f, argnums=1)(w, x) ** 2))(w),
+    "hessian": lambda f, w, x: jax.hessian(f)(w, x),
+    "reverse_over_reverse": lambda f, w, x: jax.grad(lambda w: jnp.vdot(jax.grad(f)(w, x), w))(w),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(SECOND_ORDER))
+def test_a_second_order_derivative_is_an_error_that_names_float8(name, jit):
+  """Its backward pass rounds to float8 (derivative zero almost everywhere): without the error, all
+  four gave exactly 0.0. Refused after the first-order gradient ran too (a cached trace does not skip it)."""
+  w, x = jnp.asarray(normal((32, 32), scale=0.2)), jnp.asarray(normal((32, 32), seed=1))
+  cast = jaxscale.autocast(lambda w, x: jnp.mean(jnp.tanh(x @ w @ w) ** 2), "mixed_float8")
+  assert float(jnp.abs(jax.grad(cast)(w, x)).sum()) > 0  # first order works, and is cached
+  run = jax.jit(SECOND_ORDER[name], static_argnums=0) if jit else SECOND_ORDER[name]
+  with pytest.raises(TypeError, match="second-order derivative .* float8 .* under 'mixed_bfloat16'"):
+    run(cast, w, x)
+  bf16 = jaxscale.autocast(lambda w, x: jnp.mean(jnp.tanh(x @ w @ w) ** 2), "mixed_bfloat16")
+  assert float(jnp.abs(SECOND_ORDER[name](bf16, w, x)).max()) > 0  # the alternative the error names
 
 
 # --- misuse --------------------------------------------------------------------------------------
@@ -611,3 +711,26 @@ def test_nearest_is_ml_dtypes_rounding_where_a_cast_alone_rounds_twice():
   q, k = _float8.quantize(jnp.asarray(x), E4M3)  # eagerly: the cast runs alone
   assert int(k) == 2
   np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.ldexp(x.astype(np.float64), 2).astype(E4M3).view(np.uint8))
+
+
+def test_an_activations_gradient_is_written_in_the_compute_dtype_a_parameters_in_its_own(monkeypatch):
+  """autocast tells the float8 matmul which operands are the function's inputs (parameters, data):
+  their gradients come back without a 16-bit rounding; an activation's is rounded to bfloat16 once (its
+  GEMM writes half the bytes), as under "mixed_bfloat16"."""
+  seen = []
+  rule = _float8.matmul
+  monkeypatch.setattr(_float8, "matmul", lambda *args: seen.append(tuple(args[5])) or rule(*args))
+
+  def f(w1, w2, x):
+    return jnp.sum(jnp.tanh(x @ w1) @ w2)
+
+  w1, w2, x = (jnp.asarray(normal((32, 32), seed=seed)) for seed in range(3))
+  jax.grad(jaxscale.autocast(f, "mixed_float8"), argnums=(0, 1))(w1, w2, x)
+  assert seen == [(True, True), (False, True)]
+  primitive, params = operation(lambda a, b: a @ b, x, w1)
+  a = jnp.tanh(x)  # float32, as a float32-list operation leaves an activation
+  _, pullback = jax.vjp(_float8._scaled(primitive, params, jnp.bfloat16, F32, F32, (False, True)), a, w1)
+  da, dw = pullback(jnp.asarray(normal((32, 32), seed=3), jnp.bfloat16))
+  assert da.dtype == dw.dtype == F32
+  np.testing.assert_array_equal(da, np.asarray(da).astype(ml_dtypes.bfloat16).astype(F32))  # one bfloat16 rounding
+  assert (np.asarray(dw) != np.asarray(dw).astype(ml_dtypes.bfloat16).astype(F32)).mean() > 0.5  # float32's
