@@ -15,7 +15,8 @@ time for an H100 (sm_90) by the real XLA:GPU pipeline (deviceless, through
 
 The model's limits: L2 reuse between kernels is ignored (bytes are an upper bound for small
 tensors), autotuning is skipped (XLA picks its default GEMM configurations), the launch cost is a
-constant, and a kernel's bytes count whole operands even where it reads a slice.
+constant, a kernel's bytes count whole operands even where it reads a slice, and cuDNN convolutions
+are charged their bytes only (no FLOPs), so a convolution's estimate is a lower bound.
 
     python benchmarks/gpu_program.py                  # every table
     python benchmarks/gpu_program.py scaler mlp       # some of them (see --help)
@@ -98,7 +99,8 @@ def compile_for_h100(step, *args, donate=(0, 1)):
   """The compiled H100 executable of `jax.jit(step)` on the shapes of `args`."""
   target = h100()
   # Python scalars in a state (a peer's options) are traced as JAX would: weakly typed 32-bit arrays.
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=target), args)
+  dtype = lambda x: x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype(x), sharding=target), args)
   return jax.jit(step, donate_argnums=donate).trace(*shapes).lower().compile()
 
 
@@ -238,8 +240,8 @@ def sixteen_table(n_params=32_000_000, n_leaves=8):
   shape = (n_params // n_leaves,)
   params32 = [jnp.zeros(shape, jnp.float32)] * n_leaves
   params16 = [jnp.zeros(shape, jnp.bfloat16)] * n_leaves
-  adam = lambda: optax.adam(1e-3)  # noqa: E731
-  scaled = lambda inner: jaxscale.dynamic_loss_scaling(inner, init_scale=2.0**15)  # noqa: E731
+  adam = lambda: optax.adam(1e-3)
+  scaled = lambda inner: jaxscale.dynamic_loss_scaling(inner, init_scale=2.0**15)
   lowp = jaxscale.low_precision_state
 
   def row(tx, params, with_flag):
@@ -270,7 +272,7 @@ def transformer_block(params, x, *, heads):
 
   batch, seq, width = x.shape
   q, k, v = jnp.split(rms_norm(x) @ params["qkv"], 3, axis=-1)
-  heads_of = lambda t: t.reshape(batch, seq, heads, width // heads)  # noqa: E731
+  heads_of = lambda t: t.reshape(batch, seq, heads, width // heads)
   attended = jax.nn.dot_product_attention(heads_of(q), heads_of(k), heads_of(v), is_causal=True)
   x = x + attended.reshape(batch, seq, width) @ params["out"]
   return x + jax.nn.gelu(rms_norm(x) @ params["up"]) @ params["down"]
@@ -278,8 +280,9 @@ def transformer_block(params, x, *, heads):
 
 def float8_table(width=4096, seq=2048, batch=4, heads=16):
   """One transformer block's forward and backward under each policy (no optimizer)."""
-  params = {"qkv": jnp.zeros((width, 3 * width)), "out": jnp.zeros((width, width)),
-            "up": jnp.zeros((width, 4 * width)), "down": jnp.zeros((4 * width, width))}
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  params = {"qkv": shape(width, 3 * width), "out": shape(width, width), "up": shape(width, 4 * width),
+            "down": shape(4 * width, width)}
   x = jax.ShapeDtypeStruct((batch, seq, width), jnp.float32)
 
   def row(policy):
@@ -292,8 +295,7 @@ def float8_table(width=4096, seq=2048, batch=4, heads=16):
 
 def conv_table(batch=64, size=32, channels=128, depth=4):
   """A convolution net's gradient (3x3 convolutions, NHWC) under each policy."""
-  keys = jax.random.split(jax.random.key(0), depth)
-  params = [jax.random.normal(k, (3, 3, channels, channels)) * 0.05 for k in keys]
+  params = [jax.ShapeDtypeStruct((3, 3, channels, channels), jnp.float32)] * depth
   x = jax.ShapeDtypeStruct((batch, size, size, channels), jnp.float32)
 
   def net(params, x):
