@@ -167,7 +167,6 @@ def gemm_flops(instruction: re.Match, shapes: dict[str, str]) -> tuple[float, st
 def read_program(compiled) -> Program:
   """The kernels, bytes, copies, GEMMs and peak of a compiled GPU executable."""
   comps = computations(compiled.as_text())
-  f8_fusions = fp8_dot_computations(comps)
   shapes, kernels, moved, copies, fp8, gemms, estimate = {}, 0, 0, 0, 0, 0, 0.0
   for m in comps["ENTRY"]:
     shapes[m["name"]] = m["shape"]
@@ -179,10 +178,14 @@ def read_program(compiled) -> Program:
     copies += m["op"] == "copy"
     flops, dtype = gemm_flops(m, shapes) if m["op"] == "custom-call" else (0.0, "")
     called = re.search(r"calls=%([\w.\-]+)", m["attributes"])
-    triton_f8 = m["op"] == "fusion" and "__triton_gemm" in m["attributes"] and called and called[1] in f8_fusions
-    if "$f8" in m["attributes"] or triton_f8:
+    if m["op"] == "fusion" and re.search(r'"kind":"__triton\w*gemm', m["attributes"]) and called:
+      # A Triton GEMM (XLA's choice with --xla_gpu_enable_triton_gemm): float8 if fed float8.
+      operand_dtypes = [shapes.get(o, "").split("[")[0] for o in operand_names(m)]
+      flops, dtype = dot_flops(comps.get(called[1], [])), next((d for d in operand_dtypes if d in BYTES), "f32")
+      fp8 += dtype.startswith("f8")
+    elif "$f8" in m["attributes"]:
       fp8, dtype = fp8 + 1, "f8e4m3fn"
-    gemms += flops > 0 or triton_f8
+    gemms += flops > 0
     estimate += max(nbytes / HBM_BYTES_PER_S, flops / TENSOR_FLOPS.get(dtype, TENSOR_FLOPS["f32"])) + LAUNCH_S
   memory = compiled.memory_analysis()
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
@@ -194,14 +197,17 @@ def operand_names(instruction: re.Match) -> list[str]:
   return re.findall(r"%([\w.\-]+)", instruction["operands"])
 
 
-def fp8_dot_computations(comps) -> set[str]:
-  """The computations holding a `dot` of float8 operands (a Triton GEMM fusion's body, say)."""
-  out = set()
-  for name, body in comps.items():
-    shapes = {m["name"]: m["shape"] for m in body}
-    if any(m["op"] == "dot" and any(shapes.get(o, "").startswith("f8") for o in operand_names(m)) for m in body):
-      out.add(name)
-  return out
+def dot_flops(body: list[re.Match]) -> float:
+  """FLOPs of the `dot` in a GEMM fusion's computation (0 if it holds none)."""
+  shapes = {m["name"]: m["shape"] for m in body}
+  for m in body:
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", m["attributes"])
+    if m["op"] == "dot" and contracting and (lhs := _ARRAY.match(shapes.get(operand_names(m)[0], ""))):
+      lhs_dims = [int(d) for d in lhs.group(2).split(",") if d]
+      out = _ARRAY.search(m["shape"])
+      k = math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d)
+      return 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * k
+  return 0.0
 
 
 def measure(step, *args, donate=(0, 1)) -> Program:
