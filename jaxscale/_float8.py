@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale import _tree
+from jaxscale._numerics import power_of_two
 
 FORWARD = np.dtype(jnp.float8_e4m3fn)  # the operands of the forward product
 BACKWARD = np.dtype(jnp.float8_e5m2)  # the gradient flowing back into it
@@ -102,11 +103,6 @@ def scale_exponent(amax: jax.Array, dtype: Any) -> jax.Array:
   k = top_exponent - exponent - (mantissa > top_mantissa).astype(jnp.int32)
   k = jnp.where((amax > 0) & jnp.isfinite(amax), k, 0)
   return jnp.clip(k, -126, 127).astype(jnp.int32)
-
-
-def power_of_two(k: jax.Array) -> jax.Array:
-  """``2.0**k`` as float32, exactly, for integer ``k`` in [-126, 127] (from the bits: ``exp2`` may round)."""
-  return lax.bitcast_convert_type((jnp.asarray(k, jnp.int32) + 127) << 23, jnp.float32)
 
 
 def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:

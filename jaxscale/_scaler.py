@@ -46,6 +46,7 @@ import numpy as np
 import optax
 from jax.core import Tracer
 
+from jaxscale import _numerics
 from jaxscale._tree import is_floating as _is_floating
 
 StallPolicy = Literal["skip", "raise"]
@@ -649,7 +650,7 @@ def _reciprocal_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   mantissa, exponent = jnp.frexp(scale)
   high = exponent - exponent // 2  # ceil(e / 2): r1 <= 1 whenever scale >= 1
   r1 = 1.0 / jnp.ldexp(mantissa, high)
-  r2 = 1.0 / jnp.ldexp(jnp.ones_like(scale), exponent - high)
+  r2 = 1.0 / _numerics.power_of_two(exponent - high)
   return r1, r2
 
 

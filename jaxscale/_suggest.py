@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from jaxscale import _range, _taps, _tree
+from jaxscale import _numerics, _range, _taps, _tree
 
 DEFAULT_HEADROOM = 8.0
 _FALLBACK_SCALE = 2.0**16  # torch's init_scale, when the gradients say nothing
@@ -64,7 +64,7 @@ def _scale_for(bits: jax.Array, dtype: np.dtype, headroom: int) -> jax.Array:
   exponent = jnp.maximum(bits >> 23, 0) - 127
   k = (top >> 23) - 127 - exponent - ((bits & 0x7FFFFF) > (top & 0x7FFFFF)).astype(jnp.int32) - headroom
   k = jnp.where(bits >= 0x7F800000, -126, k)  # beyond float32's range (a float64 leaf): the smallest
-  scale = jax.lax.bitcast_convert_type((jnp.clip(k, -126, 127) + 127) << 23, jnp.float32)
+  scale = _numerics.power_of_two(jnp.clip(k, -126, 127))
   return jnp.where(bits > 0, scale, jnp.float32(_FALLBACK_SCALE))
 
 
