@@ -137,8 +137,8 @@ def gpu_program(session):
   """
   session.install("-e", ".[gpu-program]")
   env = {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "CUDA_VISIBLE_DEVICES": "-1"}
-  session.run("python", "-m", "pytest", "-q", "-p", "no:xdist", *(session.posargs or ["benchmarks/test_gpu_program.py"]),
-              env=env)
+  tests = session.posargs or ["benchmarks/test_gpu_program.py"]
+  session.run("python", "-m", "pytest", "-q", "-p", "no:xdist", *tests, env=env)
 
 
 def _name(requirement):

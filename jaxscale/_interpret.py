@@ -153,12 +153,16 @@ def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> li
   try:
     return bind(eqn, ins, params)
   except Exception as error:  # noqa: BLE001  # whatever the primitive raises, named with it
-    raise version_error(name, f"binding it again with its rebuilt sub-programs raised {type(error).__name__}: {error}") from error
+    raise version_error(
+        name, f"binding it again with its rebuilt sub-programs raised {type(error).__name__}: {error}"
+    ) from error
 
 
 # Inside `shard_map`, a value's type says along which mesh axes it varies: `vma` until jax 0.8,
 # `manual_axis_type` since. Kept when a sub-program is traced again, or `shard_map` refuses it.
-_MANUAL_AXES = next((k for k in ("manual_axis_type", "vma") if k in inspect.signature(jax.ShapeDtypeStruct).parameters), None)
+_MANUAL_AXES = next(
+    (k for k in ("manual_axis_type", "vma") if k in inspect.signature(jax.ShapeDtypeStruct).parameters), None
+)
 
 
 def shape_of(aval, dtype=None) -> jax.ShapeDtypeStruct:
