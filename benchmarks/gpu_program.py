@@ -50,10 +50,11 @@ import optax
 
 import jaxscale
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # the CPU benchmark's problems and peers: one definition of each
+
 # A deviceless executable cannot be loaded back from JAX's persistent cache (that needs a device).
 jax.config.update("jax_enable_compilation_cache", False)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402  (the CPU benchmark's problems and peers: one definition of each)
 
 # An H100 SXM as XLA:GPU's cost model sees it (the fields a real device reports).
 H100 = """
@@ -238,8 +239,8 @@ def sixteen_table(n_params=32_000_000, n_leaves=8):
   shape = (n_params // n_leaves,)
   params32 = [jnp.zeros(shape, jnp.float32)] * n_leaves
   params16 = [jnp.zeros(shape, jnp.bfloat16)] * n_leaves
-  adam = lambda: optax.adam(1e-3)  # noqa: E731
-  scaled = lambda inner: jaxscale.dynamic_loss_scaling(inner, init_scale=2.0**15)  # noqa: E731
+  adam = lambda: optax.adam(1e-3)
+  scaled = lambda inner: jaxscale.dynamic_loss_scaling(inner, init_scale=2.0**15)
   lowp = jaxscale.low_precision_state
 
   def row(tx, params, with_flag):
@@ -270,7 +271,7 @@ def transformer_block(params, x, *, heads):
 
   batch, seq, width = x.shape
   q, k, v = jnp.split(rms_norm(x) @ params["qkv"], 3, axis=-1)
-  heads_of = lambda t: t.reshape(batch, seq, heads, width // heads)  # noqa: E731
+  heads_of = lambda t: t.reshape(batch, seq, heads, width // heads)
   attended = jax.nn.dot_product_attention(heads_of(q), heads_of(k), heads_of(v), is_causal=True)
   x = x + attended.reshape(batch, seq, width) @ params["out"]
   return x + jax.nn.gelu(rms_norm(x) @ params["up"]) @ params["down"]

@@ -133,7 +133,7 @@ def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> li
       new = jax.make_jaxpr(lambda *args: evaluate(jaxpr, consts, args), axis_env=axes)(*shapes)
     except NotImplementedError:
       raise
-    except Exception as error:  # noqa: BLE001  # JAX's, when a sub-program cannot be traced alone
+    except Exception as error:  # JAX's, when a sub-program cannot be traced alone
       raise version_error(name, f"tracing its sub-program again raised {type(error).__name__}: {error}") from error
     if closed is not None:
       return new
@@ -152,7 +152,7 @@ def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> li
   params = {key: rebuild(value) for key, value in eqn.params.items()}
   try:
     return bind(eqn, ins, params)
-  except Exception as error:  # noqa: BLE001  # whatever the primitive raises, named with it
+  except Exception as error:  # whatever the primitive raises, named with it
     raise version_error(
         name, f"binding it again with its rebuilt sub-programs raised {type(error).__name__}: {error}"
     ) from error
