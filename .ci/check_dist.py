@@ -53,7 +53,8 @@ def main(dist):
   unwanted = {f for f in files if f.split("/")[0] in ("tests", "examples", "benchmarks", "docs", ".ci")}
   if unwanted:
     fail(f"the sdist should not hold {sorted(unwanted)}")
-  print(f"check_dist: {wheels[0].name} ({len(payload)} files) and {sdists[0].name} ({len(files)} files) are as expected")
+  print(f"check_dist: {wheels[0].name} ({len(payload)} files) and {sdists[0].name} ({len(files)} files) "
+        "are as expected")
 
 
 if __name__ == "__main__":

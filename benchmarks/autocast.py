@@ -51,7 +51,7 @@ def variants(args):
 
   # As examples/lm.py builds them: `--precision mixed_float16` has no dtype= in the layers.
   hand, none, full = build(jnp.float16), build(jnp.float16, layer_dtypes=False), build(jnp.float32)
-  boundary = lambda params, windows: plain(none[0])(policy.cast_to_compute(params), windows)  # noqa: E731
+  boundary = lambda params, windows: plain(none[0])(policy.cast_to_compute(params), windows)
   return {
       "float16 by hand": (hand[1], plain(hand[0])),
       "autocast": (none[1], jaxscale.autocast(plain(none[0]), policy)),

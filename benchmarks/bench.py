@@ -126,7 +126,8 @@ def flax_dynamic_scale(opt):
     grads = jax.tree.map(lambda g: g / scale.scale, grads)
     finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     grow = scale.fin_steps == scale.growth_interval
-    fin_scale = jnp.where(grow & finite, jnp.minimum(scale.scale * scale.growth_factor, jnp.finfo(jnp.float32).max), scale.scale)
+    grown = jnp.minimum(scale.scale * scale.growth_factor, jnp.finfo(jnp.float32).max)
+    fin_scale = jnp.where(grow & finite, grown, scale.scale)
     new_scale = scale.replace(
         fin_steps=jnp.where(grow | ~finite, 0, scale.fin_steps + 1),
         scale=jnp.where(finite, fin_scale, scale.scale * scale.backoff_factor),
@@ -330,7 +331,8 @@ VARIANTS = {
     "keras LossScaleOptimizer": functools.partial(keras_variant, loss_scale=True),
     "mpx": mpx_optimizer_update,
 }
-TRAIN_STEPS = {"jaxscale": jaxscale_train_step, "mpx": mpx_train_step}  # variants that run their own training step, from the loss
+# Variants that run their own training step, from the loss.
+TRAIN_STEPS = {"jaxscale": jaxscale_train_step, "mpx": mpx_train_step}
 UNSCALED = ("plain", "plain keras")  # stepped on the true gradients
 KERAS_VARIANTS = ("plain keras", "keras LossScaleOptimizer")
 
@@ -483,8 +485,9 @@ def measure(config, builders, reps, *, round_s=0.02):
                      compile_s=run["compile_s"], compile_ratio=run["compile_s"] / base["compile_s"],
                      memory_mb=run["memory"] / 2**20, memory_ratio=run["memory"] / base["memory"],
                      copies=run["copies"], steps=steps))
-    print(f"  {name:24s} {ms:8.2f} ms  x{rows[-1]['ratio']:.2f} ({rows[-1]['ratio_q1']:.2f}-{rows[-1]['ratio_q3']:.2f})  compile {run['compile_s']:.2f}s "
-          f"(x{rows[-1]['compile_ratio']:.2f})  mem x{rows[-1]['memory_ratio']:.3f}  copies {run['copies']}", flush=True)
+    print(f"  {name:24s} {ms:8.2f} ms  x{rows[-1]['ratio']:.2f} ({rows[-1]['ratio_q1']:.2f}-{rows[-1]['ratio_q3']:.2f})"
+          f"  compile {run['compile_s']:.2f}s (x{rows[-1]['compile_ratio']:.2f})"
+          f"  mem x{rows[-1]['memory_ratio']:.3f}  copies {run['copies']}", flush=True)
   del runs
   return rows
 
@@ -573,9 +576,11 @@ def write_markdown(rows, info, path):
       "",
       "Each configuration's variants were compiled in one process and timed in interleaved rounds "
       f"({info['reps']} rounds, medians; a round is as many steps dispatched back to back as fill "
-      "20 ms of the plain step, then one wait, as a training loop runs). Ratios are to the plain optax optimizer on the true gradients; "
+      "20 ms of the plain step, then one wait, as a training loop runs). "
+      "Ratios are to the plain optax optimizer on the true gradients; "
       "parameters and optimizer state are donated. The quartiles are those of each round's ratio "
-      "to the plain step of the same round: how far this machine's noise moves a ratio. *copies* counts `copy` instructions in the "
+      "to the plain step of the same round: how far this machine's noise moves a ratio. "
+      "*copies* counts `copy` instructions in the "
       "optimized HLO (a copy of a donated buffer is an extra pass and an extra buffer). Memory "
       "is the compiled executable's footprint (arguments + non-aliased outputs + temporaries, "
       "from `compiled.memory_analysis()`; a device's `memory_stats()` peak is the process's, "
@@ -584,14 +589,15 @@ def write_markdown(rows, info, path):
       *skip_text(rows),
       *keras_text(rows, info),
       *missing_text(rows),
-      "| problem | optimizer | params | leaves | variant | step ms | step ratio | rounds' ratios, quartiles | compile s | compile ratio | memory ratio | copies |",
+      "| problem | optimizer | params | leaves | variant | step ms | step ratio | rounds' ratios, quartiles "
+      "| compile s | compile ratio | memory ratio | copies |",
       "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
   for r in rows:
     lines.append(
         f"| {r['problem']} | {r['opt']} | {r['params']/1e6:.1f}M | {r['leaves']} | {r['variant']} | "
-        f"{r['ms']:.2f} | {r['ratio']:.2f} | {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {r['compile_s']:.2f} | {r['compile_ratio']:.2f} | "
-        f"{r['memory_ratio']:.3f} | {r['copies']} |"
+        f"{r['ms']:.2f} | {r['ratio']:.2f} | {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | "
+        f"{r['compile_s']:.2f} | {r['compile_ratio']:.2f} | {r['memory_ratio']:.3f} | {r['copies']} |"
     )
   lines += keras_table(rows)
   with open(path, "w") as f:
@@ -642,7 +648,7 @@ def missing_text(rows):
   lines = []
   for missing, variants in left_out.items():
     names = ", ".join(variants[:-1]) + " and " + variants[-1] if len(variants) > 1 else variants[0]
-    where = ", ".join(f"{p} {o} {n / 1e6:.3g}M/{l}" for p, o, n, l in missing)
+    where = ", ".join(f"{p} {o} {n / 1e6:.3g}M/{leaves}" for p, o, n, leaves in missing)
     lines.append(f"{names} {'are' if len(variants) > 1 else 'is'} not run at {where} "
                  "([why](performance.md#what-the-sweep-leaves-out)).")
   return [" ".join(lines), ""] if lines else []
@@ -654,7 +660,8 @@ def keras_table(rows):
   bases = {config(r): r for r in rows if r["variant"] == "plain keras"}
   lines = [
       f"| {r['problem']} | {r['opt']} | {r['params']/1e6:.1f}M | {r['leaves']} | {r['ms'] / b['ms']:.2f} | "
-      f"{r['compile_s'] / b['compile_s']:.2f} | {r['memory_ratio'] / b['memory_ratio']:.3f} | {b['copies']} -> {r['copies']} |"
+      f"{r['compile_s'] / b['compile_s']:.2f} | {r['memory_ratio'] / b['memory_ratio']:.3f} | "
+      f"{b['copies']} -> {r['copies']} |"
       for r in rows if r["variant"] == "keras LossScaleOptimizer" and (b := bases.get(config(r)))
   ]
   if not lines:
@@ -680,14 +687,17 @@ def write_chart(rows, path, device=None):
   fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(configs)), 4))
   width = 0.8 / len(variants)
   for i, v in enumerate(variants):
-    found = [next((r for r in rows if (r["problem"], r["opt"], r["params"], r["leaves"]) == c and r["variant"] == v), None)
+    found = [next((r for r in rows
+                   if (r["problem"], r["opt"], r["params"], r["leaves"]) == c and r["variant"] == v), None)
              for c in configs]
     ys = [r["ratio"] if r else np.nan for r in found]
-    spread = [[r["ratio"] - r["ratio_q1"] if r else 0 for r in found], [r["ratio_q3"] - r["ratio"] if r else 0 for r in found]]
-    ax.bar(np.arange(len(configs)) + i * width, ys, width, yerr=np.clip(spread, 0, None), error_kw=dict(lw=0.6), label=v)
+    spread = [[r["ratio"] - r["ratio_q1"] if r else 0 for r in found],
+              [r["ratio_q3"] - r["ratio"] if r else 0 for r in found]]
+    ax.bar(np.arange(len(configs)) + i * width, ys, width, yerr=np.clip(spread, 0, None), error_kw=dict(lw=0.6),
+           label=v)
   ax.axhline(1.0, color="k", lw=0.8)
   ax.set_xticks(np.arange(len(configs)) + 0.4 - width / 2)
-  ax.set_xticklabels([f"{p}\n{o}\n{n/1e6:.3g}M/{l}" for p, o, n, l in configs], fontsize=7)
+  ax.set_xticklabels([f"{p}\n{o}\n{n/1e6:.3g}M/{leaves}" for p, o, n, leaves in configs], fontsize=7)
   ax.set_ylabel("step time / plain optax optimizer")
   ax.set_title(f"Loss scaling overhead, {device or device_name()}", fontsize=9)
   ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside the bars, never on them

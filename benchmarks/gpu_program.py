@@ -51,10 +51,11 @@ import optax
 
 import jaxscale
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # the CPU benchmark's problems and peers: one definition of each
+
 # A deviceless executable cannot be loaded back from JAX's persistent cache (that needs a device).
 jax.config.update("jax_enable_compilation_cache", False)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402  (the CPU benchmark's problems and peers: one definition of each)
 
 # An H100 SXM as XLA:GPU's cost model sees it (the fields a real device reports).
 H100 = """

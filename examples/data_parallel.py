@@ -21,7 +21,7 @@ Commands (see docs/distributed.md):
 
   # SLURM, Open MPI, TPU pods: jax.distributed.initialize() finds all of it on its own
   srun --nodes=4 --ntasks-per-node=1 python examples/data_parallel.py --distributed
-"""
+"""  # noqa: E501  # one command a line, as docs/distributed.md gives them, to copy whole
 
 from __future__ import annotations
 
@@ -173,7 +173,8 @@ def main(argv=None) -> None:
     params, opt_state, loss = train_step(params, opt_state, x, y)
     if leader and (step % 50 == 0 or step == args.steps - 1):
       scaler = jaxscale.find_scaler(opt_state)
-      print(f"step {step:4d}  loss {read(loss):.4f}  scale {read(scaler.scale):g}  skipped {read(scaler.skipped_steps)}")
+      print(f"step {step:4d}  loss {read(loss):.4f}  scale {read(scaler.scale):g}  "
+            f"skipped {read(scaler.skipped_steps)}")
   scaler = jaxscale.find_scaler(opt_state)
   # Every process prints its own view: the scaler is replicated, so the lines agree.
   print(

@@ -4,7 +4,8 @@ Three runs of the same model, seed and data order: float32; float16 compute
 (float32 parameters) without loss scaling; float16 with jaxscale.
 
     python examples/digits.py                      # the plain loss: float16 alone trains too; seconds per run
-    python examples/digits.py --loss-weight 1e-5   # gradients 1e5 times smaller: float16 alone diverges, jaxscale recovers
+    python examples/digits.py --loss-weight 1e-5   # gradients 1e5 times smaller: float16 alone diverges,
+                                                   # jaxscale recovers
     python examples/digits.py --precision float32 --precision p=f16,c=f16,o=f32  # autocast, float16 parameters
 
 The Linen recipe is in `make_train_step`; see also `jaxscale.flax`.

@@ -97,7 +97,8 @@ def main(argv=None):
   data = load_data()
   t0 = time.perf_counter()
   results = {name: train(name, range(args.seeds), args, data) for name in RUNS}
-  print(f"{args.seeds} seeds x {args.steps} steps, loss weight {args.loss_weight:g} ({time.perf_counter() - t0:.0f} s)\n")
+  print(f"{args.seeds} seeds x {args.steps} steps, loss weight {args.loss_weight:g} "
+        f"({time.perf_counter() - t0:.0f} s)\n")
   print("| run | held-out loss per seed | mean | accuracy (mean) | final scale | skipped steps |")
   print("| --- | --- | --- | --- | --- | --- |")
   for name, runs in results.items():

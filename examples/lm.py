@@ -15,9 +15,11 @@ model's batch) rather than this batch's two thousand. Most activation gradients
 then fall below float16's smallest subnormal (2^-24) and flush to zero: float16
 alone loses to float32, and jaxscale's scale recovers it.
 
-    python examples/lm.py                             # float16 loses, jaxscale recovers (about 9 minutes on 2 idle CPU cores)
+    python examples/lm.py                             # float16 loses, jaxscale recovers
+                                                      # (about 9 minutes on 2 idle CPU cores)
     python examples/lm.py --loss-weight 1 --steps 600  # the plain loss: float16 alone is close to float32 at this size
-    python examples/lm.py --loss-weight 2048 --runs 2 --steps 200 --init-scale 65536  # summed loss: torch's start skips 11 steps
+    python examples/lm.py --loss-weight 2048 --runs 2 --steps 200 --init-scale 65536  # summed loss:
+                                                                                      # torch's start skips 11 steps
     python examples/lm.py --steps 5000 --width 512 --depth 8 --seq-len 256 --batch 64  # a GPU
 
 `--precision` replaces the three runs with runs in the policies you choose, through jaxscale's

@@ -89,7 +89,8 @@ def main(argv=None):
     if step % args.log_every == 0 or step == args.steps:
       values = write_scalars(writer, metrics, step)
       logged.append((step, values))
-      print(f"step {step:5d}  loss {values['loss']:.4f}  scale {values['scale']:g}  skipped {values['skipped_steps']:g}")
+      print(f"step {step:5d}  loss {values['loss']:.4f}  scale {values['scale']:g}  "
+            f"skipped {values['skipped_steps']:g}")
   writer.close()
   return logged
 

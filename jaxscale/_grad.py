@@ -111,7 +111,7 @@ def _refuse_scaling_in_trace(fun, args, kwargs) -> None:
     return
   try:
     closed = trace(*args, **kwargs).jaxpr
-  except Exception:  # noqa: BLE001  # the call itself, under `grad`, raises whatever is wrong
+  except Exception:  # the call itself, under `grad`, raises whatever is wrong
     return
   marks = _marks(closed.jaxpr)
   _scaler.refuse_scaling_inside({"scale": marks[_scaler.SCALE_MARK], "unscale": marks[_scaler.UNSCALE_MARK]})

@@ -133,7 +133,7 @@ def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> li
       new = jax.make_jaxpr(lambda *args: evaluate(jaxpr, consts, args), axis_env=axes)(*shapes)
     except NotImplementedError:
       raise
-    except Exception as error:  # noqa: BLE001  # JAX's, when a sub-program cannot be traced alone
+    except Exception as error:  # JAX's, when a sub-program cannot be traced alone
       raise version_error(name, f"tracing its sub-program again raised {type(error).__name__}: {error}") from error
     if closed is not None:
       return new
@@ -152,13 +152,17 @@ def rebind(eqn, ins: Sequence[Any], evaluate: Callable, *, in_dtypes=None) -> li
   params = {key: rebuild(value) for key, value in eqn.params.items()}
   try:
     return bind(eqn, ins, params)
-  except Exception as error:  # noqa: BLE001  # whatever the primitive raises, named with it
-    raise version_error(name, f"binding it again with its rebuilt sub-programs raised {type(error).__name__}: {error}") from error
+  except Exception as error:  # whatever the primitive raises, named with it
+    raise version_error(
+        name, f"binding it again with its rebuilt sub-programs raised {type(error).__name__}: {error}"
+    ) from error
 
 
 # Inside `shard_map`, a value's type says along which mesh axes it varies: `vma` until jax 0.8,
 # `manual_axis_type` since. Kept when a sub-program is traced again, or `shard_map` refuses it.
-_MANUAL_AXES = next((k for k in ("manual_axis_type", "vma") if k in inspect.signature(jax.ShapeDtypeStruct).parameters), None)
+_MANUAL_AXES = next(
+    (k for k in ("manual_axis_type", "vma") if k in inspect.signature(jax.ShapeDtypeStruct).parameters), None
+)
 
 
 def shape_of(aval, dtype=None) -> jax.ShapeDtypeStruct:

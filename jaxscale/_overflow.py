@@ -503,7 +503,7 @@ def _scan_split(eqn, body) -> tuple[int, int]:
   returns the carry first, at its own shape, then each iteration's slice of the outputs, and the
   scanned inputs come last, each one rank above the body's slice of it.
   """
-  rank = lambda v: len(v.aval.shape)  # noqa: E731
+  rank = lambda v: len(v.aval.shape)
   carry_count = 0
   for outer, inner in zip(eqn.outvars, body.outvars):
     if rank(outer) != rank(inner):

@@ -199,13 +199,16 @@ def stats_at_scale(tree: Any, scale: jax.Array, dtype: np.dtype) -> RangeStats:
     total = {k: jnp.sum(v.astype(jnp.float32), axis=0) for k, v in stacked.items() if k not in ("min", "max")}
     total.update(min=jnp.min(stacked["min"]), max=jnp.max(stacked["max"]))
   else:
-    total = {k: jnp.zeros((), jnp.float32) for k in ("zero", "subnormal", "overflow", "max", "zeros", "nonfinite", "size")}
+    total = {k: jnp.zeros((), jnp.float32)
+             for k in ("zero", "subnormal", "overflow", "max", "zeros", "nonfinite", "size")}
     total.update(min=jnp.asarray(jnp.inf, jnp.float32), histogram=jnp.zeros(NBINS, jnp.float32))
   detail = [None if c is None else _stats(c) for c in per_leaf]
   return _stats(total, jax.tree.unflatten(treedef, detail))
 
 
-def range_stats(tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typing.DTypeLike = jnp.float16) -> RangeStats:
+def range_stats(
+    tree: Any, *, scale: jax.typing.ArrayLike = 1.0, dtype: jax.typing.DTypeLike = jnp.float16
+) -> RangeStats:
   """What multiplying ``tree`` by ``scale`` and casting it to ``dtype`` does.
 
   Jittable, with no host sync: call it inside the training step (every N steps

@@ -20,7 +20,6 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,7 @@
-"""Shared test configuration (the hooks for every test, the docstrings' examples included, are in the repository root's conftest.py)."""
+"""Shared test configuration.
+
+The hooks for every test, the docstrings' examples included, are in the repository root's conftest.py.
+"""
 
 import jax
 import pytest

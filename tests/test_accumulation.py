@@ -108,7 +108,8 @@ def test_accumulation_outside_drops_the_window():
 
 def test_find_scaler_refuses_accumulation_around_the_wrapper():
   state = ORDERS["accumulation_outside_scaling"]().init({"w": jnp.ones(4)})
-  with pytest.raises(ValueError, match=r"Accumulate inside the wrapper, `dynamic_loss_scaling\(optax.MultiSteps\(inner, k\)\)`"):
+  with pytest.raises(ValueError,
+                     match=r"Accumulate inside the wrapper, `dynamic_loss_scaling\(optax.MultiSteps\(inner, k\)\)`"):
     jaxscale.find_scaler(state)
 
 

@@ -98,12 +98,15 @@ BUILDERS = {
 NOT_HERE = {
     "optax.inject_hyperparams": "returns a factory, not a transformation (tests/test_optax.py wraps its result)",
     "optax.inject_stateful_hyperparams": "returns a factory, not a transformation",
-    "optax.lookahead": "takes `optax.LookaheadParams`, not plain parameters (an optax calling convention, not a limit of the wrapper)",
+    "optax.lookahead": "takes `optax.LookaheadParams`, not plain parameters "
+                       "(an optax calling convention, not a limit of the wrapper)",
     "optax.contrib.dpsgd": "takes per-example gradients (a leading batch axis), which these shared gradients are not",
     "optax.contrib.differentially_private_aggregate": "takes per-example gradients, like dpsgd",
-    "optax.contrib.hutchinson_estimator_diag_hessian": "estimates a Hessian diagonal, it makes no updates (sophia, which uses it, is tested)",
+    "optax.contrib.hutchinson_estimator_diag_hessian": "estimates a Hessian diagonal, it makes no updates "
+                                                       "(sophia, which uses it, is tested)",
     "optax.measure_with_ema": "returns a measurement, not updates (a monitor for inside a chain)",
-    "optax.contrib.scale_by_muon": "takes matrices only; `optax.contrib.muon`, which routes the other leaves to Adam, is tested",
+    "optax.contrib.scale_by_muon": "takes matrices only; `optax.contrib.muon`, which routes the other leaves to Adam, "
+                                   "is tested",
 }
 
 # Transformations that take extra arguments, and which.
@@ -292,7 +295,8 @@ def test_wrapped_equals_inner_and_skips_bit_for_bit(name):
     want_params, want_state = inner_step(want_params, want_state)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(want_params)), f"{name} alone: not finite"
     params, state = wrapped_step(params, state, jnp.float32(0))
-    assert_close((params, state.inner_state), (want_params, want_state), f"{name}, finite step {step}", RTOL.get(name, 4e-6))
+    assert_close((params, state.inner_state), (want_params, want_state), f"{name}, finite step {step}",
+                 RTOL.get(name, 4e-6))
   for poison in [jnp.inf, jnp.nan]:
     new_params, new_state = wrapped_step(params, state, jnp.float32(poison))
     assert_bitwise_equal(new_params, params, f"{name}: parameters after a {poison} step")

@@ -8,7 +8,6 @@ definition of the training run.
 import sys
 
 import jax
-import pytest
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -153,7 +153,8 @@ def test_several_losses_summed_or_backpropagated_separately():
   # torch's `scaler.scale(loss0).backward(); scaler.scale(loss1).backward()`: the true gradients add up.
   close(sum(jaxscale.value_and_grad(lambda w, i=i: two_losses(w)[i])(scaler, w)[1] for i in range(2)))
   # By hand, `scale` takes a pytree of losses, too.
-  unscaled, finite = jaxscale.unscale_and_check(scaler, jax.grad(lambda w: sum(jaxscale.scale(scaler, two_losses(w))))(w))
+  unscaled, finite = jaxscale.unscale_and_check(
+      scaler, jax.grad(lambda w: sum(jaxscale.scale(scaler, two_losses(w))))(w))
   assert bool(finite)
   close(unscaled)
 

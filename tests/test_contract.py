@@ -365,7 +365,8 @@ def test_a_gradient_penalty_nests_a_gradient_site_in_the_loss_without_a_word(sit
   want = jax.grad(lambda w: task(w) + jnp.sum(jax.grad(task)(w) ** 2))(w)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    for run in (lambda w, s: jaxscale.value_and_grad(penalized)(s, w, s), jax.jit(lambda w, s: jaxscale.value_and_grad(penalized)(s, w, s))):
+    eager = lambda w, s: jaxscale.value_and_grad(penalized)(s, w, s)
+    for run in (eager, jax.jit(eager)):
       _, grads, finite = run(w, scaler)
       assert bool(finite)
       np.testing.assert_allclose(grads, want, rtol=1e-6)  # scales of 2**10, exact: float32 rounding
@@ -381,7 +382,9 @@ def test_a_fresh_scaler_inside_the_step_warns():
 
   with pytest.warns(UserWarning) as record:
     step(PARAMS, jax.jit(tx.init)(PARAMS), X, Y)  # `tx.init` under jit is fine: no warning of its own
-  assert [str(w.message).split(":")[1] for w in record] == [" `jaxscale.init` was called inside a traced function (`jit`, `scan`, ...)"]
+  assert [str(w.message).split(":")[1] for w in record] == [
+      " `jaxscale.init` was called inside a traced function (`jit`, `scan`, ...)"
+  ]
   assert record[0].filename == __file__
 
 

@@ -33,7 +33,8 @@ def gpu(capability, kind="NVIDIA GPU"):
         (types.SimpleNamespace(platform="cpu", device_kind="cpu"), False, False, "float32"),
         (types.SimpleNamespace(platform="METAL"), False, False, "float32"),  # unknown: conservative
     ],
-    ids=lambda v: getattr(v, "device_kind", getattr(v, "platform", None)) if isinstance(v, types.SimpleNamespace) else None,
+    ids=lambda v: (getattr(v, "device_kind", getattr(v, "platform", None))
+                   if isinstance(v, types.SimpleNamespace) else None),
 )
 def test_fake_devices(device, float16, bfloat16, policy):
   assert jaxscale.supports_float16(device) is float16
@@ -58,7 +59,8 @@ class RaisingCapability:
 
 @pytest.mark.parametrize(
     "device",
-    [object(), Raising(), RaisingCapability(), gpu(None), gpu("garbage"), gpu((8, 0)), types.SimpleNamespace(platform=None), 42],
+    [object(), Raising(), RaisingCapability(), gpu(None), gpu("garbage"), gpu((8, 0)),
+     types.SimpleNamespace(platform=None), 42],
     ids=["no attributes", "raising", "raising capability", "no capability", "garbage", "tuple", "platform None", "int"],
 )
 def test_never_raises_and_is_conservative(device):

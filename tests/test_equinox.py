@@ -206,7 +206,8 @@ def test_a_skipped_step_leaves_the_float16_models_arrays_bit_for_bit():
       np.testing.assert_array_equal(a, b)
   assert skipped > 0 and float(m["scale"]) == 2.0 ** (40 - skipped)
   assert all(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(params(model)))
-  changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params(model)), jax.tree.leaves(params(before_model)))]
+  changed = [not np.array_equal(a, b)
+             for a, b in zip(jax.tree.leaves(params(model)), jax.tree.leaves(params(before_model)))]
   assert all(changed)  # the first finite step moved every array
 
 

@@ -227,7 +227,9 @@ def test_lm_float16_parameters_train_through_float32_master_weights(capsys):
   # train_runs without main: no probe (main's probe, table and TensorBoard log are the same for
   # every policy: test_lm_precision_runs_any_policy_and_logs_it_to_tensorboard), so a number for
   # the start scale.
-  args = lm.parse_args(COMMON_FLAGS + LM_TINY + ["--no-plot", "--precision", "p=f16,c=f16,o=f32", "--init-scale", "65536"])
+  args = lm.parse_args(
+      COMMON_FLAGS + LM_TINY + ["--no-plot", "--precision", "p=f16,c=f16,o=f32", "--init-scale", "65536"]
+  )
   train_data, eval_windows = lm.load_data(args)
   initial = nnx.state(lm.build(args, jnp.float16, args.seed, jaxscale.get_policy("p=f16,c=f16,o=f32")), nnx.Param)
   (result,), model, optimizer = lm.train_runs(args, train_data, eval_windows)

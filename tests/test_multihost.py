@@ -70,5 +70,6 @@ def test_data_parallel_example_on_two_processes(tmp_path):
       ],
       env=child_env(), timeout=120, logs=tmp_path,
   )
-  finals = [line.split(":", 1)[1].rsplit(",", 1)[0] for out in outputs for line in out.splitlines() if "final loss" in line]
+  finals = [line.split(":", 1)[1].rsplit(",", 1)[0]
+            for out in outputs for line in out.splitlines() if "final loss" in line]
   assert len(finals) == 2 and finals[0] == finals[1], outputs

@@ -2,7 +2,6 @@
 
 import functools
 import types
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +37,6 @@ def warm(tx, steps=3):
   state = tx.init(PARAMS)
   params = PARAMS
   for _ in range(steps):
-    scaler = jaxscale.find_scaler(state)
     updates, state = tx.update(GRADS, state, params)
     params = optax.apply_updates(params, updates)
   return params, state
@@ -49,7 +47,6 @@ def warm(tx, steps=3):
 def test_skipped_step_changes_nothing_but_the_scaler(make_inner, bad):
   tx = jaxscale.dynamic_loss_scaling(make_inner(), init_scale=2.0**10)
   params, state = warm(tx)
-  scaler = jaxscale.find_scaler(state)
   updates, new_state = jax.jit(tx.update)(poisoned(GRADS, bad), state, params)
   assert_bitwise_equal(optax.apply_updates(params, updates), params)
   assert_bitwise_equal(new_state.inner_state, state.inner_state)
@@ -142,7 +139,9 @@ def test_clipping_inside_sees_unscaled_gradients():
 COMPOSITIONS = {
     "inside_chain": lambda with_scaler: optax.chain(optax.identity(), with_scaler(optax.adam(1e-3))),
     "around_chain": lambda with_scaler: with_scaler(optax.chain(optax.add_decayed_weights(1e-4), optax.adam(1e-3))),
-    "inject_hyperparams_inside": lambda with_scaler: with_scaler(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)),
+    "inject_hyperparams_inside": lambda with_scaler: with_scaler(
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    ),
     "multi_steps_inside": lambda with_scaler: with_scaler(optax.MultiSteps(optax.adam(1e-3), 2)),
     "multi_transform_inside": lambda with_scaler: with_scaler(
         optax.multi_transform({"a": optax.adam(1e-3), "s": optax.sgd(0.1)}, {"w": "a", "b": "s"})
@@ -362,7 +361,8 @@ def test_a_learning_rate_closed_over_gets_a_zero_derivative_through_a_skipped_st
   for bad in (jnp.inf, jnp.nan):
     assert float(grad(jnp.float32(0.1), nan_in_w(SMALL_GRADS) | {"b": SMALL_GRADS["b"].at[0].set(bad)})) == 0.0
   taken = float(grad(jnp.float32(0.1), SMALL_GRADS))
-  want = sum(-2 * float(jnp.sum((p - 0.1 * g) * g)) for p, g in zip(jax.tree.leaves(SMALL_PARAMS), jax.tree.leaves(SMALL_GRADS)))
+  want = sum(-2 * float(jnp.sum((p - 0.1 * g) * g))
+             for p, g in zip(jax.tree.leaves(SMALL_PARAMS), jax.tree.leaves(SMALL_GRADS)))
   np.testing.assert_allclose(taken, want, rtol=1e-5)
 
 
@@ -372,7 +372,9 @@ SKIP_INNERS = {
     "twice_and_once": twice_and_once,
     "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
     # An array the update closes over is a constant of the traced step.
-    "closes_over_an_array": lambda: optax.stateless(lambda u, p: {"w": u["w"] * jnp.array([0.5, 2.0, 1.0]), "b": u["b"]}),
+    "closes_over_an_array": lambda: optax.stateless(
+        lambda u, p: {"w": u["w"] * jnp.array([0.5, 2.0, 1.0]), "b": u["b"]}
+    ),
 }
 
 
@@ -486,7 +488,8 @@ def test_find_scaler_of_the_optimizer_itself_asks_for_its_state():
 def test_find_scaler_reads_a_scaler_stored_as_a_mapping_of_its_fields(stored):
   # As in a serialized state dict or `nnx.state(optimizer)`: a ScalerState comes back, from its
   # three packed leaves or, as a state saved before they were packed holds it, its fifteen fields.
-  scaler = jaxscale.configure(jaxscale.update(jaxscale.init(init_scale=2.0**10, growth_interval=7), False), hysteresis=3)
+  scaler = jaxscale.configure(jaxscale.update(jaxscale.init(init_scale=2.0**10, growth_interval=7), False),
+                              hysteresis=3)
   mapping = scaler._asdict() if stored == "leaves" else {k: np.asarray(v) for k, v in scaler.fields().items()}
   assert len(mapping) == (3 if stored == "leaves" else 15)
   found = jaxscale.find_scaler({"opt_state": {"0": mapping, "1": {"count": jnp.int32(3)}}})

@@ -28,11 +28,14 @@ OPTION_ERRORS = [
     (dict(growth_interval=0), ValueError,
      "`growth_interval` must be an integer >= 1, got 0."),
     (dict(init_scale=1e39), ValueError,
-     "`init_scale` must be a normal float32: finite and at least 2**-126 (~1.18e-38), got 1e+39, which float32 stores as inf."),
+     "`init_scale` must be a normal float32: finite and at least 2**-126 (~1.18e-38), got 1e+39, "
+     "which float32 stores as inf."),
     (dict(min_scale=16.0, init_scale=4.0), ValueError,
-     "`min_scale` (16.0) must not exceed `init_scale` (4.0): a back-off would raise the scale; lower `min_scale` or raise the scale."),
+     "`min_scale` (16.0) must not exceed `init_scale` (4.0): a back-off would raise the scale; "
+     "lower `min_scale` or raise the scale."),
     (dict(init_scale=64.0, max_scale=4.0), ValueError,
-     "`init_scale` (64.0) must not exceed `max_scale` (4.0): a growth would lower the scale; raise `max_scale` or lower the scale."),
+     "`init_scale` (64.0) must not exceed `max_scale` (4.0): a growth would lower the scale; "
+     "raise `max_scale` or lower the scale."),
     (dict(min_scale=8.0, max_scale=4.0, init_scale=4.0), ValueError,
      "`min_scale` (8.0) must not exceed `max_scale` (4.0): no scale could satisfy both."),
     (dict(hysteresis=0), ValueError,

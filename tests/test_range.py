@@ -106,7 +106,8 @@ def test_format_range_stats_rows():
 
 
 @pytest.mark.parametrize(
-    "dtype", [jnp.int32, jnp.float64, "float4_e2m1fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "not a dtype"]
+    "dtype",
+    [jnp.int32, jnp.float64, "float4_e2m1fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "not a dtype"],
 )
 def test_rejects_dtypes_it_cannot_see(dtype):
   dtype = getattr(jnp, dtype, dtype) if isinstance(dtype, str) else dtype
@@ -176,7 +177,8 @@ def test_float32_subnormal_inputs_are_nonzero_values_not_exact_zeros(scale):
   for stats in (jaxscale.range_stats(x, scale=jnp.float32(scale)), jax.jit(jaxscale.range_stats)(x, scale=scale)):
     expected = reference(x, scale, np.float16)
     assert expected["zero_fraction"] == 0.6 and expected["zeros"] == 1
-    assert_matches(stats, {k: expected[k] for k in ("zero_fraction", "subnormal_fraction", "overflow_fraction", "zeros")})
+    assert_matches(stats, {k: expected[k]
+                           for k in ("zero_fraction", "subnormal_fraction", "overflow_fraction", "zeros")})
     assert float(stats.histogram.sum() + stats.zeros + stats.nonfinite) == float(stats.size)
 
 

@@ -52,7 +52,8 @@ def test_optimizers_whose_state_holds_a_constant_jit(make):
 
 def python_scalar_updates():
   """An inner transformation whose updates and new state are Python scalars, not arrays."""
-  return optax.GradientTransformation(lambda p: {"n": 0}, lambda u, s, p=None: (jax.tree.map(lambda _: 0.5, u), {"n": 1}))
+  return optax.GradientTransformation(lambda p: {"n": 0},
+                                      lambda u, s, p=None: (jax.tree.map(lambda _: 0.5, u), {"n": 1}))
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
@@ -152,7 +153,8 @@ def test_update_refuses_a_flag_that_is_not_a_boolean_scalar(flag, error, message
       assert re.search(f"`finite`.*{message}", str(caught.value))
 
 
-@pytest.mark.parametrize("flag", [True, False, np.bool_(False), jnp.array(True)], ids=["true", "false", "numpy", "array"])
+@pytest.mark.parametrize("flag", [True, False, np.bool_(False), jnp.array(True)],
+                         ids=["true", "false", "numpy", "array"])
 def test_update_takes_boolean_scalars(flag):
   state = jaxscale.update(jaxscale.init(init_scale=SCALE), flag)
   assert float(state.scale) == (SCALE if bool(flag) else SCALE / 2)
@@ -235,7 +237,8 @@ def test_raise_if_stalled_on_a_batched_scaler_names_the_stalled_ones():
 
 def test_raise_if_stalled_names_the_stalled_scalers_of_a_2d_batch():
   stall = jax.vmap(jax.vmap(jaxscale.update))
-  state = jax.vmap(jax.vmap(lambda _: jaxscale.init(init_scale=2.0, min_scale=1.0, on_stall="raise")))(jnp.zeros((2, 2)))
+  state = jax.vmap(jax.vmap(lambda _: jaxscale.init(init_scale=2.0, min_scale=1.0, on_stall="raise")))(
+      jnp.zeros((2, 2)))
   flags = jnp.array([[True, False], [True, True]])
   state = stall(stall(state, flags), flags)
   with pytest.raises(FloatingPointError) as caught:

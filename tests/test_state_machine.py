@@ -314,7 +314,8 @@ class ScalerMachine(RuleBasedStateMachine):
 
 ScalerMachine.TestCase.settings = hypothesis.settings(
     # tests/MUTATION.md runs it shorter, once per mutant.
-    max_examples=int(os.environ.get("JAXSCALE_STATE_MACHINE_EXAMPLES", "100")), stateful_step_count=50, deadline=None, derandomize=True, database=None,
+    max_examples=int(os.environ.get("JAXSCALE_STATE_MACHINE_EXAMPLES", "100")), stateful_step_count=50,
+    deadline=None, derandomize=True, database=None,
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 test_scaler_state_machine = ScalerMachine.TestCase

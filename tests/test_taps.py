@@ -27,7 +27,8 @@ def loss(params, x, taps=None, *, dtype=jnp.float16):
 
 
 def make_params(rng, widths=(16, 32, 32, 8)):
-  return [(jnp.asarray(rng.normal(0, 1 / np.sqrt(a), (a, b)), jnp.float32), jnp.asarray(rng.normal(0, 0.1, b), jnp.float32))
+  return [(jnp.asarray(rng.normal(0, 1 / np.sqrt(a), (a, b)), jnp.float32),
+           jnp.asarray(rng.normal(0, 0.1, b), jnp.float32))
           for a, b in zip(widths[:-1], widths[1:])]
 
 

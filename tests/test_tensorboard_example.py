@@ -42,7 +42,8 @@ def test_tensorboard_example_logs_the_scaler(tmp_path):
   logged = example.main(["--logdir", str(tmp_path), "--steps", "12", "--log-every", "5"])
   assert [step for step, _ in logged] == [5, 10, 12]
   scalars = read_scalars(str(tmp_path))
-  assert {"loss", "scaler/scale", "scaler/skipped_steps", "scaler/last_skipped", "scaler/growth_tracker"} <= set(scalars)
+  assert {"loss", "scaler/scale", "scaler/skipped_steps", "scaler/last_skipped",
+          "scaler/growth_tracker"} <= set(scalars)
   assert [s for s, _ in scalars["scaler/scale"]] == [5, 10, 12]
   assert [v for _, v in scalars["scaler/scale"]] == [values["scale"] for _, values in logged] == [1024.0] * 3
   assert [v for _, v in scalars["scaler/growth_tracker"]] == [5, 10, 12]

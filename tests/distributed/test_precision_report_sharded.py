@@ -16,7 +16,7 @@ from jaxscale._interpret import JAX_VERSION
 N, B, D, H = 8, 2, 3, 5
 W = jnp.ones((D, H))
 TOTAL = N * 2 * B * D * H  # every device's B x D times D x H
-matmul = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
+matmul = lambda x, w: jnp.tanh(x @ w)
 
 
 def test_a_shard_map_body_counts_once_per_device_of_its_manual_axes():

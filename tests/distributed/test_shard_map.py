@@ -125,7 +125,8 @@ def test_wrapper_skips_on_every_device(mapper, layout):
   true_grads = jax.tree.map(lambda g: g / SCALE, per_device_grads())
   poisoned = jax.tree.map(lambda g: g / SCALE, per_device_grads(poison=True))
   skipped_params, skipped_state = run_mapped(mapper, lambda *a: step(tx, *a), params, opt_state, poisoned)
-  jax.tree.map(np.testing.assert_array_equal, (skipped_params, skipped_state.inner_state), (params, opt_state.inner_state))
+  jax.tree.map(np.testing.assert_array_equal,
+               (skipped_params, skipped_state.inner_state), (params, opt_state.inner_state))
   assert_same_on_every_device(skipped_state.scaler)
   assert float(skipped_state.scaler.scale[0]) == SCALE / 2
 

@@ -53,7 +53,8 @@ def single_device_bits(method):
 def test_sharded_step_is_the_single_device_step(method, spec):
   mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
   params = initial_params()
-  sharded = {"w": jax.device_put(params["w"], NamedSharding(mesh, spec)), "b": jax.device_put(params["b"], NamedSharding(mesh, P()))}
+  sharded = {"w": jax.device_put(params["w"], NamedSharding(mesh, spec)),
+             "b": jax.device_put(params["b"], NamedSharding(mesh, P()))}
   got_params, got_state = run(make(method), sharded)
   want_params, want_state = single_device_bits(method)
   assert bits(got_params) == want_params
