@@ -41,7 +41,7 @@ import sys
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver here: nothing runs
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")  # nor any device to find
 if "triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
-  # cuBLAS GEMMs by default (XLA's choice on an H100 once autotuned); --triton shows the other route.
+  # cuBLAS GEMMs by default; XLA_FLAGS=--xla_gpu_enable_triton_gemm=true compiles Triton ones instead.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
 
 import jax
