@@ -258,19 +258,27 @@ def _remainder(p, step, u):
   ``landed - p`` is exact in float32 (two nearby 16-bit values), and so, nearly, is ``step`` minus
   it: no rounding at the parameter's magnitude enters the compensation.
   """
-  landed = _rounding.materialise(p + u)
-  moved = landed.astype(jnp.float32) - p.astype(jnp.float32)
+  landed = _landing(p, u)
   big = jnp.float32(jnp.finfo(p.dtype).max)
-  return jnp.clip((step - moved) / _ulp(landed), -big, big).astype(p.dtype)
+  return jnp.clip((step - (landed - p.astype(jnp.float32))) / _ulp_at(landed, p.dtype), -big, big).astype(p.dtype)
+
+
+def _landing(p, u):
+  """Where ``p + u`` lands (in ``p``'s dtype, as ``optax.apply_updates`` adds them), as a float32 value."""
+  return _rounding.widen((p.astype(jnp.float32) + _rounding.widen(u)).astype(p.dtype))
 
 
 def _ulp(p: jax.Array) -> jax.Array:
   """The spacing of ``p``'s dtype at ``|p|``, as a float32 power of two (never a float32 subnormal)."""
-  fi = jnp.finfo(p.dtype)
-  _, e = jnp.frexp(jnp.abs(p.astype(jnp.float32)))  # |p| = m * 2**e, 0.5 <= m < 1
-  lowest = max(int(fi.minexp) - int(fi.nmant), int(jnp.finfo(jnp.float32).minexp))
-  e = jnp.where(p == 0, lowest, jnp.maximum(e - 1 - int(fi.nmant), lowest))
-  return jnp.ldexp(jnp.float32(1), e)
+  return _ulp_at(p.astype(jnp.float32), p.dtype)
+
+
+def _ulp_at(x: jax.Array, dtype) -> jax.Array:
+  """The spacing of ``dtype`` at ``|x|`` (float32, a value of ``dtype``), from ``x``'s exponent bits."""
+  fi = jnp.finfo(dtype)
+  lowest = max(int(fi.minexp) - int(fi.nmant), int(jnp.finfo(jnp.float32).minexp)) + 127  # biased
+  exponent = (jax.lax.bitcast_convert_type(x, jnp.int32) >> 23) & 0xFF  # 0 for zero: the lowest
+  return jax.lax.bitcast_convert_type(jnp.maximum(exponent - int(fi.nmant), lowest) << 23, jnp.float32)
 
 
 def _clip_to(dtype, x: jax.Array) -> jax.Array:
@@ -312,16 +320,17 @@ def _step_to(param: jax.Array, target32: jax.Array) -> jax.Array:
   lands within one ulp of the step's size, and never on an infinity.
   """
   dtype = param.dtype
-  # The barriers keep the 16-bit roundings: XLA folds a float32 -> 16-bit -> float32 round trip
-  # away (`xla_allow_excess_precision`), which would compare unrounded sums.
-  target = _rounding.materialise(_clip_to(dtype, target32).astype(dtype))
-  first = _clip_to(dtype, target.astype(jnp.float32) - param.astype(jnp.float32)).astype(dtype)
-  lands = lambda u: _rounding.materialise(param + u) == target
-  update = jnp.where(jnp.isfinite(_rounding.materialise(param + first)), first, jnp.nextafter(first, jnp.zeros_like(first)))
+  # Every 16-bit value read back as float32 goes through `widen`: a plain cast back would let XLA
+  # fold the rounding away (`xla_allow_excess_precision`) and compare unrounded sums.
+  target = _clip_to(dtype, target32).astype(dtype)
+  wanted, start = _rounding.widen(target), param.astype(jnp.float32)
+  first = _clip_to(dtype, wanted - start).astype(dtype)
+  lands = lambda u: _landing(param, u) == wanted
+  update = jnp.where(jnp.isfinite(_landing(param, first)), first, jnp.nextafter(first, jnp.zeros_like(first)))
   for u in (jnp.nextafter(first, jnp.asarray(-jnp.inf, dtype)), jnp.nextafter(first, jnp.asarray(jnp.inf, dtype)), first):
     update = jnp.where(lands(u), u, update)
   # `x + -0.0` is x bit for bit, even for x = -0.0 (where `x + 0.0` is +0.0) and x = inf.
-  return jnp.where(target == param, jnp.asarray(-0.0, dtype), update)
+  return jnp.where(wanted == start, jnp.asarray(-0.0, dtype), update)
 
 
 def _only_narrow(params, tree):
