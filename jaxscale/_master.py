@@ -175,10 +175,8 @@ def master_weights(
     if method == "float32":
       master = optax.apply_updates(full, inner_updates)  # on a skipped step: master + -0.0, bit for bit
       new_state = MasterWeightsState(_only_narrow(params, master), inner_state)
-      updates = jax.tree.map(
-          lambda p, m, u: _skip.mask(~skipped, _step_to(p, _clip_to(p.dtype, m).astype(p.dtype))[0]) if _is_narrow(p) else u,
-          params, master, inner_updates,
-      )
+      to_master = lambda p, m: _skip.mask(~skipped, _step_to(p, _clip_to(p.dtype, m).astype(p.dtype))[0])
+      updates = jax.tree.map(lambda p, m, u: to_master(p, m) if _is_narrow(p) else u, params, master, inner_updates)
       return updates, new_state
     new_key, draw = (None, None) if state.key is None else jax.random.split(state.key)
     comp = state.compensation if method == "kahan" else jax.tree.map(lambda p: optax.MaskedNode(), params)
