@@ -91,11 +91,11 @@ def test_float8_is_faster_than_bfloat16_where_its_matmuls_are_large(title, budge
 # plain step's, plus three scalar ones per PRNG key (its split, the copy of the donated key, and the
 # hash of every leaf's seeds): one key for Kahan, two for stochastic rounding. A kernel per leaf is over.
 SIXTEEN = {
-    "kahan + bf16 state": dict(kernels=3, hbm=0.72, peak=0.76),
-    "SR + bf16 state": dict(kernels=6, hbm=0.58, peak=0.63),
-    "kahan + bf16 state + scaler": dict(kernels=3 + SCALER_KERNELS, hbm=0.86, peak=0.76),
-    "SR + bf16 state + scaler": dict(kernels=6 + SCALER_KERNELS, hbm=0.72, peak=0.63),
-    "float32 master + scaler, bf16 params": dict(kernels=SCALER_KERNELS, hbm=1.29, peak=1.13),
+    "kahan + bf16 state": {"kernels": 3, "hbm": 0.72, "peak": 0.76},
+    "SR + bf16 state": {"kernels": 6, "hbm": 0.58, "peak": 0.63},
+    "kahan + bf16 state + scaler": {"kernels": 3 + SCALER_KERNELS, "hbm": 0.86, "peak": 0.76},
+    "SR + bf16 state + scaler": {"kernels": 6 + SCALER_KERNELS, "hbm": 0.72, "peak": 0.63},
+    "float32 master + scaler, bf16 params": {"kernels": SCALER_KERNELS, "hbm": 1.29, "peak": 1.13},
 }
 
 
