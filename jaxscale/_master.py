@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxscale import _optax, _policy, _rounding, _skip
@@ -174,25 +175,20 @@ def master_weights(
     if method == "float32":
       master = optax.apply_updates(full, inner_updates)  # on a skipped step: master + -0.0, bit for bit
       new_state = MasterWeightsState(_only_narrow(params, master), inner_state)
-      return _narrow_updates(params, master, inner_updates, skipped), new_state
+      to_master = lambda p, m: _skip.mask(~skipped, _step_to(p, _clip_to(p.dtype, m).astype(p.dtype))[0])
+      updates = jax.tree.map(lambda p, m, u: to_master(p, m) if _is_narrow(p) else u, params, master, inner_updates)
+      return updates, new_state
+    new_key, draw = (None, None) if state.key is None else jax.random.split(state.key)
     comp = state.compensation if method == "kahan" else jax.tree.map(lambda p: optax.MaskedNode(), params)
-    # The step and the compensation, both below the parameter's ulp or near it, are summed first.
-    steps = jax.tree.map(lambda p, c, u: u + _comp_value(p, c) if _is_narrow(p) else u, params, comp, inner_updates)
-    exact = jax.tree.map(
-        lambda p, s: _clip_to(p.dtype, p.astype(jnp.float32) + s) if _is_narrow(p) else s, params, steps
-    )
-    new_key = state.key
-    if method == "stochastic_rounding":
-      new_key, draw = jax.random.split(state.key)
-      exact = _stochastic_targets(params, exact, draw)
-    new_updates = _narrow_updates(params, exact, inner_updates, skipped)
-    if method == "kahan":
-      comp = jax.tree.map(
-          lambda p, c, s, u: _skip.keep(~skipped, c, _remainder(p, s, u)) if _is_narrow(p) else c,
-          params, comp, steps, new_updates,
-      )
+    leaves, treedef = jax.tree.flatten(params)
+    new = [
+        _narrow_step(p, c, u, skipped, None if draw is None else _rounding.leaf_key(draw, _rounding.MASTER_WEIGHTS, i))
+        if _is_narrow(p) else (u, c)
+        for i, (p, c, u) in enumerate(zip(leaves, treedef.flatten_up_to(comp), treedef.flatten_up_to(inner_updates)))
+    ]
+    new_updates, comp = (jax.tree.unflatten(treedef, [x[j] for x in new]) for j in (0, 1))
     new_state = MasterWeightsState(None, inner_state, comp if method == "kahan" else None,
-                                   _skip.keep(~skipped, state.key, new_key) if new_key is not None else None)
+                                   None if new_key is None else _skip.keep(~skipped, state.key, new_key))
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -252,25 +248,44 @@ def _comp_value(p, c):
   return c.astype(jnp.float32) * _ulp(p)
 
 
-def _remainder(p, step, u):
-  """The new compensation: what the float32 ``step`` has beyond where ``p + u`` lands, in its ulps.
+def _narrow_step(p, c, u, skipped, seeds):
+  """One 16-bit leaf's update and new compensation (``c``, a MaskedNode without one), with Kahan
+  summation or, given ``seeds``, stochastic rounding; ``-0.0`` and ``c`` on a skipped step."""
+  # The step and the compensation, both below the parameter's ulp or near it, are summed first.
+  step = u + _comp_value(p, c)
+  exact = _clip_to(p.dtype, p.astype(jnp.float32) + step)
+  if seeds is None:
+    target = exact.astype(p.dtype)
+  else:
+    target = _rounding.stochastic_round(exact, p.dtype, _rounding.uniform(seeds, p.shape))
+  update, landed = _step_to(p, target)
+  if not isinstance(c, optax.MaskedNode):
+    c = _skip.keep(~skipped, c, _remainder(p, step, landed))
+  return _skip.mask(~skipped, update), c
+
+
+def _remainder(p, step, landed):
+  """The new compensation: what the float32 ``step`` has beyond ``landed`` (where ``p`` moved, as
+  float32), in its ulps.
 
   ``landed - p`` is exact in float32 (two nearby 16-bit values), and so, nearly, is ``step`` minus
   it: no rounding at the parameter's magnitude enters the compensation.
   """
-  landed = _rounding.materialise(p + u)
-  moved = landed.astype(jnp.float32) - p.astype(jnp.float32)
   big = jnp.float32(jnp.finfo(p.dtype).max)
-  return jnp.clip((step - moved) / _ulp(landed), -big, big).astype(p.dtype)
+  return jnp.clip((step - (landed - p.astype(jnp.float32))) / _ulp_at(landed, p.dtype), -big, big).astype(p.dtype)
 
 
 def _ulp(p: jax.Array) -> jax.Array:
   """The spacing of ``p``'s dtype at ``|p|``, as a float32 power of two (never a float32 subnormal)."""
-  fi = jnp.finfo(p.dtype)
-  _, e = jnp.frexp(jnp.abs(p.astype(jnp.float32)))  # |p| = m * 2**e, 0.5 <= m < 1
-  lowest = max(int(fi.minexp) - int(fi.nmant), int(jnp.finfo(jnp.float32).minexp))
-  e = jnp.where(p == 0, lowest, jnp.maximum(e - 1 - int(fi.nmant), lowest))
-  return jnp.ldexp(jnp.float32(1), e)
+  return _ulp_at(p.astype(jnp.float32), p.dtype)
+
+
+def _ulp_at(x: jax.Array, dtype) -> jax.Array:
+  """The spacing of ``dtype`` at ``|x|`` (float32, a value of ``dtype``), from ``x``'s exponent bits."""
+  fi = jnp.finfo(dtype)
+  lowest = max(int(fi.minexp) - int(fi.nmant), int(jnp.finfo(jnp.float32).minexp)) + 127  # biased
+  exponent = (jax.lax.bitcast_convert_type(x, jnp.int32) >> 23) & 0xFF  # 0 for zero: the lowest
+  return jax.lax.bitcast_convert_type(jnp.maximum(exponent - int(fi.nmant), lowest) << 23, jnp.float32)
 
 
 def _clip_to(dtype, x: jax.Array) -> jax.Array:
@@ -280,48 +295,44 @@ def _clip_to(dtype, x: jax.Array) -> jax.Array:
   return jnp.clip(x, -big, big)
 
 
-def _stochastic_targets(params, exact, draw):
-  """Each 16-bit leaf's ``exact`` float32 value rounded up or down at random, as a float32 value
-  that rounds to itself; one stream per leaf."""
-  leaves, treedef = jax.tree.flatten(params)
-  xs = treedef.flatten_up_to(exact)
-  out = [
-      _rounding.stochastic_round(x, p.dtype, _rounding.uniform(_rounding.leaf_key(draw, _rounding.MASTER_WEIGHTS, i), p.shape))
-      .astype(jnp.float32) if _is_narrow(p) else x
-      for i, (p, x) in enumerate(zip(leaves, xs))
-  ]
-  return jax.tree.unflatten(treedef, out)
-
-
-def _narrow_updates(params, targets, inner_updates, skipped):
-  """Each 16-bit leaf's update onto ``targets`` rounded to its dtype; ``-0.0`` on a skipped step."""
-  return jax.tree.map(
-      lambda p, t, u: _skip.keep(~skipped, jnp.asarray(-0.0, p.dtype), _step_to(p, t)) if _is_narrow(p) else u,
-      params, targets, inner_updates,
-  )
-
-
-def _step_to(param: jax.Array, target32: jax.Array) -> jax.Array:
+def _step_to(param: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
   """An update, in ``param``'s dtype, with which ``param + update`` (added in that dtype) is
-  ``target32`` rounded to nearest in that dtype, saturating.
+  ``target`` (a finite value of that dtype), and where it lands, as float32.
 
   The difference of two 16-bit values within a factor of two of each other is
   exact in 16 bits (Sterbenz's lemma), and lands. Further apart, the rounded
-  difference or one of its two neighbours lands in most cases; when none can
-  (the sum's last bits fall between the target's neighbours), the parameter
-  lands within one ulp of the step's size, and never on an infinity.
+  difference or its neighbour on the side of the target lands in most cases
+  (the sum grows with the update, so the other neighbour cannot); when neither
+  does (the sum's last bits fall between the target's neighbours), the
+  parameter lands within one ulp of the step's size, and never on an infinity.
   """
   dtype = param.dtype
-  # The barriers keep the 16-bit roundings: XLA folds a float32 -> 16-bit -> float32 round trip
-  # away (`xla_allow_excess_precision`), which would compare unrounded sums.
-  target = _rounding.materialise(_clip_to(dtype, target32).astype(dtype))
-  first = _clip_to(dtype, target.astype(jnp.float32) - param.astype(jnp.float32)).astype(dtype)
-  lands = lambda u: _rounding.materialise(param + u) == target
-  update = jnp.where(jnp.isfinite(_rounding.materialise(param + first)), first, jnp.nextafter(first, jnp.zeros_like(first)))
-  for u in (jnp.nextafter(first, jnp.asarray(-jnp.inf, dtype)), jnp.nextafter(first, jnp.asarray(jnp.inf, dtype)), first):
-    update = jnp.where(lands(u), u, update)
+  # Every 16-bit value read back as float32 goes through `widen` (or is compared by its bits): a
+  # plain cast back would let XLA fold the rounding away (`xla_allow_excess_precision`).
+  wanted, start = _rounding.widen(target), param.astype(jnp.float32)
+  first = _clip_to(dtype, wanted - start).astype(dtype)
+  # `param + u` as `optax.apply_updates` adds it: in float32 (exact, or rounded once), then to 16 bits.
+  exact = start + _rounding.widen(first)
+  other = jnp.nextafter(first, jnp.where(exact > wanted, -jnp.inf, jnp.inf).astype(dtype))
+  reached, beside = exact.astype(dtype), (start + _rounding.widen(other)).astype(dtype)
+  # Where `first` overflows to inf, `other` is its neighbour towards zero, which does not.
+  use_other = ~_same(reached, target) & (_same(beside, target) | ~_finite_bits(reached))
+  update = jnp.where(use_other, other, first)
+  landed = _rounding.widen(jnp.where(use_other, beside, reached))
   # `x + -0.0` is x bit for bit, even for x = -0.0 (where `x + 0.0` is +0.0) and x = inf.
-  return jnp.where(target == param, jnp.asarray(-0.0, dtype), update)
+  return jnp.where(wanted == start, jnp.asarray(-0.0, dtype), update), landed
+
+
+def _same(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a == b`` for finite 16-bit values, on their bits (+0.0 equals -0.0)."""
+  a, b = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (a, b))
+  return (a == b) | (((a | b) & 0x7FFF) == 0)
+
+
+def _finite_bits(x: jax.Array) -> jax.Array:
+  """``isfinite(x)`` for a 16-bit ``x``, on its bits (a cast to float32 could be folded away)."""
+  inf = int(np.asarray(np.inf, x.dtype).view(np.uint16))
+  return (jax.lax.bitcast_convert_type(x, jnp.uint16) & 0x7FFF) < inf
 
 
 def _only_narrow(params, tree):

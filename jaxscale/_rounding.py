@@ -98,11 +98,11 @@ def stochastic_round(x: jax.Array, dtype, u: jax.Array) -> jax.Array:
   comparison to hold at the top of the range, and the float8 formats without one
   (``float8_e4m3fn``) make it NaN.
   """
-  near = materialise(x.astype(dtype))
-  down = jnp.where(near.astype(jnp.float32) > x, jnp.nextafter(near, jnp.asarray(-jnp.inf, dtype)), near)
+  near = x.astype(dtype)
+  down = jnp.where(widen(near) > x, jnp.nextafter(near, jnp.asarray(-jnp.inf, dtype)), near)
   up = jnp.nextafter(down, jnp.asarray(jnp.inf, dtype))
   # Both differences are exact: `x` lies between two neighbours, whose gap is a power of two.
-  fraction = (x - down.astype(jnp.float32)) / (up.astype(jnp.float32) - down.astype(jnp.float32))
+  fraction = (x - widen(down)) / (widen(up) - widen(down))
   return jnp.where(u < fraction, up, down)
 
 
@@ -126,7 +126,22 @@ def to_bfloat16(x: jax.Array, seeds: tuple[jax.Array, jax.Array]) -> jax.Array:
   return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.bfloat16))
 
 
-def materialise(x: jax.Array) -> jax.Array:
-  """``x`` as computed: XLA folds a float32 -> 16-bit -> float32 round trip away
-  (`xla_allow_excess_precision`), which would compare unrounded values."""
-  return jax.lax.optimization_barrier(x)
+def widen(x: jax.Array) -> jax.Array:
+  """``x`` (float16 or bfloat16) as the float32 it is, exactly, decoded from its bits.
+
+  Not ``x.astype(float32)``: XLA folds a float32 -> 16-bit -> float32 round trip of casts away
+  (`xla_allow_excess_precision`), and reads a computed 16-bit value as the float32 it was rounded
+  from. The integer decoding below is nothing it can fold, and unlike an optimization barrier
+  it fuses with what computes ``x`` and with what reads it: one kernel per leaf on the GPU.
+  """
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+  if jnp.dtype(x.dtype) == jnp.bfloat16:  # float32's upper half
+    return jax.lax.bitcast_convert_type(bits << 16, jnp.float32)
+  if jnp.dtype(x.dtype) != jnp.float16:
+    raise ValueError(f"`widen` takes float16 or bfloat16, not {x.dtype}.")
+  sign, magnitude = bits >> 15, bits & 0x7FFF
+  # Normal: the exponent rebiased from 15 to 127 (inf and NaN to 255 as well); subnormal: m * 2**-24.
+  wide = (magnitude << 13) + jnp.where(magnitude >= 0x7C00, jnp.uint32(0xFF - 0x1F), jnp.uint32(127 - 15)) * (1 << 23)
+  normal = jax.lax.bitcast_convert_type(wide | (sign << 31), jnp.float32)
+  subnormal = magnitude.astype(jnp.float32) * jnp.float32(2.0**-24)
+  return jnp.where(magnitude >= 0x400, normal, jnp.where(sign == 1, -subnormal, subnormal))

@@ -13,6 +13,7 @@ import pytest
 
 import jaxscale
 from _jit import compilations
+from jaxscale import _rounding
 
 STEPS = 12
 INF_STEP = 5
@@ -554,3 +555,19 @@ def test_a_state_restored_without_a_target_says_what_to_do(method):
   # Restored into the target, it continues as the saved state would.
   again = flax.serialization.from_bytes(tx.init(params), flax.serialization.to_bytes(tx.init(params)))
   chex_equal(tx.update(grads, again, params), tx.update(grads, tx.init(params), params))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_widen_reads_every_16_bit_value_back_exactly(dtype):
+  """The float32 value of every 16-bit pattern (NumPy's cast is the reference), and of a float32
+  value rounded to 16 bits in the same jitted computation: the rounding is kept, where XLA may fold
+  a cast there and back away (`xla_allow_excess_precision`)."""
+  every = np.arange(2**16, dtype=np.uint16).view(jnp.dtype(dtype))
+  want = every.astype(np.float32)
+  got = np.asarray(jax.jit(_rounding.widen)(jnp.asarray(every)))
+  same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+  assert same.all(), every[~same][:5]
+  x = np.random.default_rng(0).standard_normal(10_000).astype(np.float32) * np.float32(1e3)
+  rounded = np.asarray(jax.jit(lambda x: _rounding.widen(x.astype(dtype)))(jnp.asarray(x)))
+  np.testing.assert_array_equal(rounded.view(np.uint32), x.astype(dtype).astype(np.float32).view(np.uint32))
+  assert np.mean(rounded != x) > 0.99  # rounded: the test is not vacuous
