@@ -1,10 +1,13 @@
 """Sixteen bits end to end: the figures of docs/sixteen_bits.md and benchmarks/NOTES.md.
 
     python benchmarks/sixteen_bits.py --bytes         # persistent bytes per parameter (instant)
-    python benchmarks/sixteen_bits.py --memory        # compiled peak memory and compile time: Adam at 24M and 100M, examples/lm.py's step
+    python benchmarks/sixteen_bits.py --memory        # compiled peak memory and compile time: Adam at 24M and 100M,
+                                                      # examples/lm.py's step
     python benchmarks/sixteen_bits.py --quality       # digits MLP, 3 seeds x 5 configurations (~2 CPU-minutes)
-    python benchmarks/sixteen_bits.py --alternatives  # 16-bit representations of Adam's state on adversarial tensors (~10 CPU-s)
-    python benchmarks/sixteen_bits.py --lm            # examples/lm.py's Transformer, 3 seeds x 5 configurations (~5 CPU-minutes)
+    python benchmarks/sixteen_bits.py --alternatives  # 16-bit representations of Adam's state on adversarial tensors
+                                                      # (~10 CPU-s)
+    python benchmarks/sixteen_bits.py --lm            # examples/lm.py's Transformer, 3 seeds x 5 configurations
+                                                      # (~5 CPU-minutes)
 
 The quality task: sklearn's digits (1437 train / 360 test images of 8x8), an MLP 64-256-10 with
 float16 computation where parameters are 16-bit, full-batch Adam(lr=3e-5) for 1500 steps: each update
@@ -43,12 +46,15 @@ def adam(lr=LR):
 def configurations():
   """name -> (parameter dtype, transformation factory)."""
   scaled = lambda inner: jaxscale.dynamic_loss_scaling(inner, init_scale=2.0**10)
+  lowp = jaxscale.low_precision_state
   return {
       "float32": (jnp.float32, lambda: adam()),
       "float16 params, no compensation": (jnp.float16, lambda: rounded_to_params(scaled(adam()))),
       "float16 + float32 master": (jnp.float16, lambda: jaxscale.master_weights(scaled(adam()))),
-      "kahan + bfloat16 state": (jnp.float16, lambda: jaxscale.master_weights(scaled(jaxscale.low_precision_state(adam())), method="kahan")),
-      "SR + bfloat16 state": (jnp.float16, lambda: jaxscale.master_weights(scaled(jaxscale.low_precision_state(adam())), method="stochastic_rounding")),
+      "kahan + bfloat16 state": (jnp.float16, lambda: jaxscale.master_weights(scaled(lowp(adam())), method="kahan")),
+      "SR + bfloat16 state": (
+          jnp.float16, lambda: jaxscale.master_weights(scaled(lowp(adam())), method="stochastic_rounding")
+      ),
   }
 
 
@@ -135,7 +141,8 @@ def quality():
       accs.append(float(jnp.mean(jnp.argmax(h @ p["w2"] + p["b2"], -1) == yt)))
       frozen.append(float(np.mean(np.asarray(p["w1"]) == np.asarray(p0["w1"]))))
     per_seed = ", ".join(f"{v:.4f}" for v in losses)
-    print(f"| {name} | {np.mean(losses):.4f} ± {np.std(losses):.4f} | {np.mean(accs):.3f} | {per_seed} | {np.mean(frozen):.0%} |")
+    print(f"| {name} | {np.mean(losses):.4f} ± {np.std(losses):.4f} | {np.mean(accs):.3f} | {per_seed} | "
+          f"{np.mean(frozen):.0%} |")
   print(f"CPU time: {time.process_time() - start:.0f} s")
 
 
@@ -148,11 +155,14 @@ def bytes_table(params32):
   n = sum(p.size for p in jax.tree.leaves(params32))
   p16 = jax.tree.map(lambda p: p.astype(jnp.float16), params32)
   scaled = jaxscale.dynamic_loss_scaling
+  lowp = jaxscale.low_precision_state
   rows = {
       "float32 Adam": (params32, optax.adam(1e-3)),
       "float16 + float32 master": (p16, jaxscale.master_weights(scaled(optax.adam(1e-3)))),
-      "kahan + 16-bit state": (p16, jaxscale.master_weights(scaled(jaxscale.low_precision_state(optax.adam(1e-3))), method="kahan")),
-      "stochastic rounding + 16-bit state": (p16, jaxscale.master_weights(scaled(jaxscale.low_precision_state(optax.adam(1e-3))), method="stochastic_rounding")),
+      "kahan + 16-bit state": (p16, jaxscale.master_weights(scaled(lowp(optax.adam(1e-3))), method="kahan")),
+      "stochastic rounding + 16-bit state": (
+          p16, jaxscale.master_weights(scaled(lowp(optax.adam(1e-3))), method="stochastic_rounding")
+      ),
   }
   return {name: (persistent_bytes(p) + persistent_bytes(tx.init(p))) / n for name, (p, tx) in rows.items()}
 
@@ -164,8 +174,12 @@ def memory_configurations():
   return {
       "float32 Adam": (jnp.float32, lambda: optax.adam(1e-3)),
       "float16 + float32 master": (jnp.float16, lambda: jaxscale.master_weights(scaled(optax.adam(1e-3)))),
-      "kahan + 16-bit state": (jnp.float16, lambda: jaxscale.master_weights(scaled(lowp(optax.adam(1e-3))), method="kahan")),
-      "SR + 16-bit state": (jnp.float16, lambda: jaxscale.master_weights(scaled(lowp(optax.adam(1e-3))), method="stochastic_rounding")),
+      "kahan + 16-bit state": (
+          jnp.float16, lambda: jaxscale.master_weights(scaled(lowp(optax.adam(1e-3))), method="kahan")
+      ),
+      "SR + 16-bit state": (
+          jnp.float16, lambda: jaxscale.master_weights(scaled(lowp(optax.adam(1e-3))), method="stochastic_rounding")
+      ),
   }
 
 
@@ -193,7 +207,8 @@ def adam_step_rows(n_cols):
       u, s = tx.update(g, s, p)
       return optax.apply_updates(p, u), s
 
-    rows[name] = compiled_row(step, (params, state, grads)) + (persistent_bytes_of((params, state)) / (10 * 4096 * n_cols),)
+    row = compiled_row(step, (params, state, grads))
+    rows[name] = row + (persistent_bytes_of((params, state)) / (10 * 4096 * n_cols),)
   return rows
 
 
@@ -214,7 +229,9 @@ def lm_step_rows(width=128):
     config = float32 if dtype == jnp.float32 else float16
     graphdef, params, rest = nnx.split(lm.build(args, config.dtype, 0, config.policy), nnx.Param, ...)
     loss_fn = jaxscale.autocast(lm.lm_loss, config.policy)
-    model_loss = lambda p, w, loss_fn=loss_fn, graphdef=graphdef, rest=rest: loss_fn(nnx.merge(graphdef, p, rest), w) * args.loss_weight
+    model_loss = lambda p, w, loss_fn=loss_fn, graphdef=graphdef, rest=rest: (
+        loss_fn(nnx.merge(graphdef, p, rest), w) * args.loss_weight
+    )
     tx = make()
     state = jax.eval_shape(tx.init, params)
 
@@ -235,7 +252,8 @@ def lm_step_rows(width=128):
 
 def memory():
   """Compiled peak memory and compile time (lowered and compiled from shapes, never run)."""
-  print("| configuration | step | persistent bytes/param | peak MB | x float32's peak | compile s | x float32's compile |")
+  print("| configuration | step | persistent bytes/param | peak MB | x float32's peak | compile s | "
+        "x float32's compile |")
   print("| --- | --- | --- | --- | --- | --- | --- |")
   tables = [(f"Adam alone, {10 * 4096 * c / 1e6:.0f}M params", adam_step_rows(c)) for c in (586, 2442)]
   lm_rows, n = lm_step_rows()
@@ -243,7 +261,8 @@ def memory():
   for label, rows in tables:
     peak32, compile32, _ = rows["float32 Adam"]
     for name, (peak, seconds, per_param) in rows.items():
-      print(f"| {name} | {label} | {per_param:.2f} | {peak / 1e6:.0f} | {peak / peak32:.2f} | {seconds:.1f} | {seconds / compile32:.2f} |", flush=True)
+      print(f"| {name} | {label} | {per_param:.2f} | {peak / 1e6:.0f} | {peak / peak32:.2f} | {seconds:.1f} | "
+            f"{seconds / compile32:.2f} |", flush=True)
 
 
 def _lm_modules():
@@ -326,18 +345,22 @@ def alternatives():
   (a layer's spread), 500 steps: the largest relative deviation of any element's distance moved."""
   rng = np.random.default_rng(0)
   g_a = jnp.asarray(np.tile([10.0, 1e-6, 1e-3], (200, 1)) * (1 + 0.1 * rng.standard_normal((200, 3))), jnp.float32)
-  g_b = jnp.concatenate([jnp.asarray(rng.standard_normal((10, 64)), jnp.float32), jnp.full((800, 64), 1e-34, jnp.float32)])
+  g_b = jnp.concatenate(
+      [jnp.asarray(rng.standard_normal((10, 64)), jnp.float32), jnp.full((800, 64), 1e-34, jnp.float32)]
+  )
   spread = 10.0 ** rng.uniform(-8, 2, 256)
   g_c = jnp.asarray(spread * (1 + 0.3 * rng.standard_normal((500, 256))), jnp.float32)
   ref = {k: np.asarray(adam_with_stored_state(None, g), np.float64) for k, g in (("a", g_a), ("b", g_b), ("c", g_c))}
-  print("| representation | (a) 1e-6 element moved / float32 | (b) finite after the decay | (c) worst element moved / float32 |")
+  print("| representation | (a) 1e-6 element moved / float32 | (b) finite after the decay | "
+        "(c) worst element moved / float32 |")
   print("| --- | --- | --- | --- |")
   for name, store in REPRESENTATIONS.items():
     a = np.asarray(adam_with_stored_state(store, g_a), np.float64)
     b = np.asarray(adam_with_stored_state(store, g_b), np.float64)
     c = np.asarray(adam_with_stored_state(store, g_c), np.float64)
     worst = np.max(np.abs(c / ref["c"] - 1))
-    print(f"| {name} | {a[1] / ref['a'][1]:.3f} | {'yes' if np.all(np.isfinite(b)) else '**NaN**'} | {worst:.3g} |", flush=True)
+    finite = "yes" if np.all(np.isfinite(b)) else "**NaN**"
+    print(f"| {name} | {a[1] / ref['a'][1]:.3f} | {finite} | {worst:.3g} |", flush=True)
 
 
 # --- examples/lm.py's Transformer over seeds ------------------------------------------------------
@@ -364,7 +387,9 @@ def lm_configurations(args, lm, common):
       "float16 params, no master (dynamic_loss_scaling(adam))": (float16, lambda: scaled(lambda a: a)),
       "float16 + float32 master": (float16, lambda: lm.make_optimizer(args, float16)),
       "kahan + bfloat16 state": (float16, lambda: jaxscale.master_weights(scaled(bf16_state), method="kahan")),
-      "SR + bfloat16 state": (float16, lambda: jaxscale.master_weights(scaled(bf16_state), method="stochastic_rounding")),
+      "SR + bfloat16 state": (
+          float16, lambda: jaxscale.master_weights(scaled(bf16_state), method="stochastic_rounding")
+      ),
   }
 
 
@@ -391,7 +416,9 @@ def lm_quality(steps=LM_STEPS, width=LM_WIDTH, only=None):
       graphdef, params, rest = nnx.split(model, nnx.Param, ...)
       tx = make()
       loss_fn = jaxscale.autocast(lm.lm_loss, config.policy)
-      model_loss = lambda p, windows, loss_fn=loss_fn, graphdef=graphdef, rest=rest: loss_fn(nnx.merge(graphdef, p, rest), windows)
+      model_loss = lambda p, windows, loss_fn=loss_fn, graphdef=graphdef, rest=rest: (
+          loss_fn(nnx.merge(graphdef, p, rest), windows)
+      )
       weighted = lambda p, windows, model_loss=model_loss: model_loss(p, windows) * args.loss_weight
 
       def step(params, opt_state, windows, tx=tx, weighted=weighted):

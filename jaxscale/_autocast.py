@@ -187,7 +187,7 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
   def wrapped(*args, **kwargs):
     tree = (callee, args, kwargs)
     leaves, treedef = jax.tree.flatten(tree)
-    is_array = lambda leaf: isinstance(leaf, (jax.Array, np.ndarray, np.generic))  # noqa: E731
+    is_array = lambda leaf: isinstance(leaf, (jax.Array, np.ndarray, np.generic))
     statics = tuple(_DYNAMIC if is_array(leaf) else _Static(leaf) for leaf in leaves)
     arrays = [leaf for leaf in leaves if is_array(leaf)]
     _float8.warn_float8_arguments(arrays)
@@ -232,7 +232,9 @@ class _Static:
 _INPUTS: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxscale_autocast_inputs", default=())
 
 
-def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], policy: _policy.Policy, *, keep_signature: bool = True) -> list:
+def evaluate(
+    jaxpr, consts: Sequence[Any], args: Sequence[Any], policy: _policy.Policy, *, keep_signature: bool = True
+) -> list:
   """The outputs of ``jaxpr`` on ``args``, autocast.
 
   With ``keep_signature``, floating outputs come back in the dtypes the jaxpr declares (what a
@@ -280,7 +282,7 @@ def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
   if name in _PASS_PRIMITIVES:
     return _interpret.bind(eqn, ins)
   programs = _interpret.subprograms(eqn.params)
-  flowing = lambda jaxpr, consts, args: evaluate(jaxpr, consts, args, policy, keep_signature=False)  # noqa: E731
+  flowing = lambda jaxpr, consts, args: evaluate(jaxpr, consts, args, policy, keep_signature=False)
   if name in _CALLS and len(programs) == 1 and eqn.params.get("name") != MARKER:
     (jaxpr, consts), = programs
     return flowing(jaxpr, consts, ins)  # inlined: its operations are the caller's
@@ -307,9 +309,9 @@ def _custom_jvp(eqn, ins, program, policy):
   """
   jaxpr, consts = program
   avals = [v.aval for v in eqn.invars]
-  primal = lambda *args: evaluate(jaxpr, consts, args, policy, keep_signature=False)  # noqa: E731
+  primal = lambda *args: evaluate(jaxpr, consts, args, policy, keep_signature=False)
   out_types = jax.eval_shape(primal, *ins)
-  original = lambda *args: _interpret.bind(eqn, [_cast(x, a) for x, a in zip(args, avals)])  # noqa: E731
+  original = lambda *args: _interpret.bind(eqn, [_cast(x, a) for x, a in zip(args, avals)])
 
   def rule(primals, tangents):
     float_at = [i for i, a in enumerate(avals) if _floating(a)]
@@ -321,7 +323,8 @@ def _custom_jvp(eqn, ins, program, policy):
       return jax.jvp(original, list(primals), tangents)
 
     closed = jax.make_jaxpr(jvp)(_shapes(avals), [_shapes(avals)[i] for i in float_at])
-    outs = evaluate(closed.jaxpr, closed.consts, [*primals, *(tangents[i] for i in float_at)], policy, keep_signature=False)
+    operands = [*primals, *(tangents[i] for i in float_at)]
+    outs = evaluate(closed.jaxpr, closed.consts, operands, policy, keep_signature=False)
     y, y_dot = outs[: len(out_types)], outs[len(out_types) :]
     return _like(y, out_types), _like(y_dot, out_types)
 
@@ -340,9 +343,9 @@ def _custom_vjp(eqn, ins, program, policy):
   """
   jaxpr, consts = program
   avals = [v.aval for v in eqn.invars]
-  primal = lambda *args: evaluate(jaxpr, consts, args, policy, keep_signature=False)  # noqa: E731
+  primal = lambda *args: evaluate(jaxpr, consts, args, policy, keep_signature=False)
   out_types = jax.eval_shape(primal, *ins)
-  original = lambda *args: _interpret.bind(eqn, [_cast(x, a) for x, a in zip(args, avals)])  # noqa: E731
+  original = lambda *args: _interpret.bind(eqn, [_cast(x, a) for x, a in zip(args, avals)])
   found = {}
 
   def forward(*args):
@@ -368,7 +371,8 @@ def _custom_vjp(eqn, ins, program, policy):
 
     out_avals = [v.aval for v in eqn.outvars]
     closed = jax.make_jaxpr(backward)(_shapes(res_avals), [_shapes(out_avals)[i] for i in float_out])
-    grads = iter(evaluate(closed.jaxpr, closed.consts, [*residuals, *(cotangents[i] for i in float_out)], policy, keep_signature=False))
+    operands = [*residuals, *(cotangents[i] for i in float_out)]
+    grads = iter(evaluate(closed.jaxpr, closed.consts, operands, policy, keep_signature=False))
     return tuple(_to(next(grads), _dtype(x)) if _floating(a) else None for x, a in zip(ins, avals))
 
   fn = jax.custom_vjp(primal)

@@ -207,7 +207,7 @@ def matmul(
 
 def warn_float8_arguments(arrays) -> None:
   """The trace-time warning for float8 arrays among an autocast function's arguments."""
-  is_float8 = lambda x: _tree.is_floating(x, real=True) and x.dtype.itemsize == 1  # noqa: E731
+  is_float8 = lambda x: _tree.is_floating(x, real=True) and x.dtype.itemsize == 1
   float8 = [f"{x.dtype.name}{list(x.shape)}" for x in arrays if is_float8(x)]
   if float8:
     warnings.warn(

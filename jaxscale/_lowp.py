@@ -57,7 +57,9 @@ REFUSED = {
     "MechanicState": "`optax.contrib.mechanize` keeps the initial parameters `x0`",
     "ProdigyState": "`optax.contrib.prodigy` keeps the initial parameters `params0`",
     "SAMState": "`optax.contrib.sam` keeps the parameters before its adversarial steps in `cache`",
-    "ScaleByDistanceOverGradientsState": "`optax.scale_by_distance_over_gradients` keeps the initial parameters `init_params`",
+    "ScaleByDistanceOverGradientsState": (
+        "`optax.scale_by_distance_over_gradients` keeps the initial parameters `init_params`"
+    ),
     "ScaleByLBFGSState": "`optax.lbfgs` keeps the previous parameters `params`",
     "ScheduleFreeState": "`optax.contrib.schedule_free` keeps the parameters' average `z`",
 }
@@ -221,7 +223,7 @@ def _changing(inner, inner_state, params) -> list[bool]:
 
   try:
     jax.eval_shape(probe, leaves, plain(params))
-  except Exception:  # noqa: BLE001 (see the docstring)
+  except Exception:  # the probe is advisory (see the docstring)
     pass
   return changing
 

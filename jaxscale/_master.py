@@ -202,8 +202,8 @@ def _refuse_unsupported(params) -> None:
     if _is_narrow(p) and jnp.dtype(p.dtype).name not in _rounding.DTYPES:
       raise ValueError(
           f"`master_weights` got a parameter of dtype {jnp.dtype(p.dtype).name} at "
-          f"{jax.tree_util.keystr(path) or 'the root of the tree'}; it supports float16 and bfloat16 parameters. Keep float8 "
-          "weights in float16, bfloat16 or float32 and cast them to float8 where they are used "
+          f"{jax.tree_util.keystr(path) or 'the root of the tree'}; it supports float16 and bfloat16 parameters. "
+          "Keep float8 weights in float16, bfloat16 or float32 and cast them to float8 where they are used "
           "(`jaxscale.get_policy(\"mixed_float8\")` does that for every matmul)."
       )
 

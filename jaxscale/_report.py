@@ -167,7 +167,11 @@ class _Counts:
 
   def add(self, other: _Counts, times: int, reason: str = "") -> None:
     """Adds a sub-program's counts; all its FLOPs as kept wider for ``reason`` when it names one."""
-    for mine, theirs in ((self.flops, other.flops), (self.matmuls, other.matmuls), (self.ops, other.ops), (self.sensitive, other.sensitive)):
+    pairs = (
+        (self.flops, other.flops), (self.matmuls, other.matmuls), (self.ops, other.ops),
+        (self.sensitive, other.sensitive),
+    )
+    for mine, theirs in pairs:
       for key, value in theirs.items():
         mine[key] += value * times
     for key, value in ({reason: sum(other.flops.values())} if reason else other.wider).items():

@@ -189,7 +189,8 @@ def float32_list_cases():
       "log1p": (jnp.log1p, x), "pow": (lambda a: a ** (a + 1), x), "integer_pow": (lambda a: a ** 3, x),
       "square": (jnp.square, x), "rsqrt": (jax.lax.rsqrt, x), "acos": (jnp.arccos, x),
       "asin": (jnp.arcsin, x), "cosh": (jnp.cosh, x), "sinh": (jnp.sinh, x), "tan": (jnp.tan, x),
-      "erf_inv": (jax.scipy.special.erfinv, x), "reduce_sum": (lambda a: jax.lax.reduce(a, np.float16(0), jax.lax.add, (1,)), x),
+      "erf_inv": (jax.scipy.special.erfinv, x),
+      "reduce_sum": (lambda a: jax.lax.reduce(a, np.float16(0), jax.lax.add, (1,)), x),
       "reduce_prod": (lambda a: jax.lax.reduce(a, np.float16(1), jax.lax.mul, (1,)), x),
       "cumsum": (lambda a: jax.lax.cumsum(a, axis=1), x), "cumprod": (lambda a: jax.lax.cumprod(a, axis=1), x),
       "cumlogsumexp": (lambda a: jax.lax.cumlogsumexp(a, axis=1), x),
@@ -222,7 +223,8 @@ def test_autocast_dtypes_in_and_out(strict_promotion):
   assert seen["label"] == np.dtype(jnp.int32) and jax.dtypes.issubdtype(seen["key"], jax.dtypes.prng_key)
   assert out["loss"].dtype == F32 and out["count"].dtype == np.dtype(jnp.int32)
   assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
-  dots = [e for e in all_eqns(jax.make_jaxpr(lambda *a: cast(*a, **kwargs))(*args).jaxpr) if e.primitive.name == "dot_general"]
+  program = jax.make_jaxpr(lambda *a: cast(*a, **kwargs))(*args).jaxpr
+  dots = [e for e in all_eqns(program) if e.primitive.name == "dot_general"]
   assert [floating_operand_dtypes(e) for e in dots] == [[F16, F16]]
 
 
@@ -513,7 +515,8 @@ def test_an_unknown_higher_order_primitive_is_autocast_by_the_generic_rule():
   jaxpr = jax.make_jaxpr(jaxscale.autocast(calling(lambda x: jnp.exp(x @ x)), "mixed_float16"))(x).jaxpr
   (eqn,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "my_call"]
   assert eqn.params["tag"] == "kept" and eqn.params["body"].in_avals == eqn.params["body"].out_avals
-  assert [floating_operand_dtypes(e) for e in all_eqns(jaxpr) if e.primitive.name in ("dot_general", "exp")] == [[F16, F16], [F32]]
+  dtypes = [floating_operand_dtypes(e) for e in all_eqns(jaxpr) if e.primitive.name in ("dot_general", "exp")]
+  assert dtypes == [[F16, F16], [F32]]
 
 
 def test_a_primitive_that_cannot_be_rebuilt_is_an_error_naming_it_and_the_jax_version():
@@ -592,7 +595,10 @@ def compiles_during(call, caplog):
   caplog.clear()
   with jax.log_compiles(True), caplog.at_level(logging.WARNING):
     jax.block_until_ready(call())
-  return sum("Finished XLA compilation" in r.getMessage() or "Compiling" in r.getMessage() and "XLA" in r.getMessage() for r in caplog.records)
+  return sum(
+      "Finished XLA compilation" in r.getMessage() or "Compiling" in r.getMessage() and "XLA" in r.getMessage()
+      for r in caplog.records
+  )
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap", "plain"])

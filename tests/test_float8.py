@@ -73,7 +73,8 @@ def dot64(a, b, dims=MATMUL):
     rhs[j] = lhs[i]
   out = [lhs[d] for d in lb] + [s for d, s in enumerate(lhs) if d not in lc and d not in lb]
   out += [s for d, s in enumerate(rhs) if d not in rc and d not in rb]
-  return np.einsum(f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}", np.asarray(a, np.float64), np.asarray(b, np.float64))
+  subscripts = f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}"
+  return np.einsum(subscripts, np.asarray(a, np.float64), np.asarray(b, np.float64))
 
 
 def error_bound(product, a, b, ka, kb, fmt_a, fmt_b, terms):
@@ -679,7 +680,8 @@ def test_a_float8_parameter_is_a_warning_that_says_to_store_float32(policy):
 def test_a_matmul_primitive_float8_does_not_reach_is_a_warning_that_says_what_to_do():
   x, w, sizes = jnp.ones((32, 32)), jnp.ones((2, 32, 32)), jnp.array([16, 16], jnp.int32)
   ragged = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
-  with pytest.warns(UserWarning, match="met `ragged_dot_general`, a matmul it does not run in float8.*'mixed_bfloat16'"):
+  warning = "met `ragged_dot_general`, a matmul it does not run in float8.*'mixed_bfloat16'"
+  with pytest.warns(UserWarning, match=warning):
     out = jaxscale.autocast(ragged, "mixed_float8")(x, w)
   np.testing.assert_array_equal(out, ragged(x, w))  # as the program gave it: float32
 
@@ -710,7 +712,8 @@ def test_nearest_is_ml_dtypes_rounding_where_a_cast_alone_rounds_twice():
   np.testing.assert_array_equal(np.asarray(_float8.nearest(jnp.asarray(x), E4M3), np.float32), ref.astype(np.float32))
   q, k = _float8.quantize(jnp.asarray(x), E4M3)  # eagerly: the cast runs alone
   assert int(k) == 2
-  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.ldexp(x.astype(np.float64), 2).astype(E4M3).view(np.uint8))
+  expected = np.ldexp(x.astype(np.float64), 2).astype(E4M3)
+  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), expected.view(np.uint8))
 
 
 def test_an_activations_gradient_is_written_in_the_compute_dtype_a_parameters_in_its_own(monkeypatch):

@@ -105,7 +105,8 @@ def test_a_vector_hyperparameter_in_the_state_is_not_rounded():
 def test_master_weights_inside_is_refused():
   """Its float32 master is a copy of the parameters: in 16 bits it would be plain 16-bit training."""
   wrong = jaxscale.low_precision_state(jaxscale.master_weights(optax.adam(1e-3)))
-  with pytest.raises(ValueError, match=r"cannot hold a MasterWeightsState.*master_weights\(dynamic_loss_scaling\(low_precision_state\(inner\)\)\)"):
+  message = r"cannot hold a MasterWeightsState.*master_weights\(dynamic_loss_scaling\(low_precision_state\(inner\)\)\)"
+  with pytest.raises(ValueError, match=message):
     wrong.init({"w": jnp.ones(3, jnp.float16)})
 
 
@@ -348,7 +349,8 @@ def test_an_element_far_below_its_tensors_largest_moves_as_in_float32():
   """Gradients [10, 1e-6, 1e-3] in one tensor: the second moments are 1e-14 apart. With float16
   and one scale per tensor the 1e-6 element's moment was stored as 0 and it moved 4.5x too far."""
   params = jnp.zeros(3)
-  grads = jnp.tile(jnp.asarray([10.0, 1e-6, 1e-3]), (200, 1)) * (1 + 0.1 * jax.random.normal(jax.random.key(1), (200, 3)))
+  noise = 1 + 0.1 * jax.random.normal(jax.random.key(1), (200, 3))
+  grads = jnp.tile(jnp.asarray([10.0, 1e-6, 1e-3]), (200, 1)) * noise
   got = adam_run(jaxscale.low_precision_state(optax.adam(1e-3)), params, grads)
   assert_follows_float32_adam(got, params, grads, 1e-3)
 

@@ -120,10 +120,13 @@ def test_skipped_step_leaves_everything_bitwise(method):
   assert bits(state_after.inner_state.inner_state) == bits(state_before.inner_state.inner_state)
   if method != "float32":  # the step before moved them, so the comparison above is not vacuous
     (older, state_older) = history[-3]
-    assert bits(before) != bits(older) and bits(state_before._replace(inner_state=None)) != bits(state_older._replace(inner_state=None))
+    assert bits(before) != bits(older)
+    assert bits(state_before._replace(inner_state=None)) != bits(state_older._replace(inner_state=None))
 
 
-@pytest.mark.parametrize("method, comes_back_to", [("float32", 64000.0), ("kahan", 64000.0), ("stochastic_rounding", 63504.0)])
+@pytest.mark.parametrize(
+    "method, comes_back_to", [("float32", 64000.0), ("kahan", 64000.0), ("stochastic_rounding", 63504.0)]
+)
 def test_a_parameter_beyond_the_range_saturates_and_comes_back(method, comes_back_to):
   """A float16 parameter whose value leaves the range is held at 65504, not inf: a skipped step
   keeps it bit for bit, and it comes back when the steps do. (It used to become inf, then NaN on
@@ -156,7 +159,8 @@ def test_a_parameter_promoted_to_float32_is_an_error(method):
   tx = jaxscale.master_weights(optax.sgd(0.1), method=method)
   state = tx.init(params)
   promoted = {**params, "w": params["w"].astype(jnp.float32)}
-  with pytest.raises(ValueError, match=r"initialised with a 16-bit parameter at \['w'\], and now gets one of dtype float32"):
+  message = r"initialised with a 16-bit parameter at \['w'\], and now gets one of dtype float32"
+  with pytest.raises(ValueError, match=message):
     tx.update(promoted, state, promoted)
 
 
@@ -166,12 +170,14 @@ def test_an_unknown_method_or_a_stray_key_is_a_value_error():
   with pytest.raises(ValueError, match=r"`key` only with method='stochastic_rounding'"):
     jaxscale.master_weights(optax.sgd(0.1), method="kahan", key=1)
   with pytest.raises(ValueError, match=r"pass an int seed"):
-    jaxscale.master_weights(optax.sgd(0.1), method="stochastic_rounding", key=jnp.zeros(3)).init(jnp.ones(2, jnp.float16))
+    array_keyed = jaxscale.master_weights(optax.sgd(0.1), method="stochastic_rounding", key=jnp.zeros(3))
+    array_keyed.init(jnp.ones(2, jnp.float16))
 
 
 def sum_in_float16_steps(method, p0, steps, key=0):
   """``p0`` (float16) after ``steps`` (float32 rows) through ``master_weights(identity)``."""
-  tx = jaxscale.master_weights(optax.identity(), method=method, **({"key": key} if method == "stochastic_rounding" else {}))
+  seeded = {"key": key} if method == "stochastic_rounding" else {}
+  tx = jaxscale.master_weights(optax.identity(), method=method, **seeded)
 
   @jax.jit
   def run_all(p, us):
@@ -197,10 +203,12 @@ def test_kahan_follows_float64_within_an_ulp_where_16_bit_addition_does_not_move
   rng = np.random.default_rng(0)
   p0 = rng.uniform(0.01, 2.0, 64).astype(dtype) * rng.choice([-1, 1], 64).astype(dtype)
   # The drift goes away from zero: errors count in ulps of the largest value on the way.
-  steps = ((rng.uniform(-0.45, 0.4, (10_000, 64)) + 0.05) * np.sign(p0.astype(np.float32)) * ulps(p0)).astype(np.float32)
+  drift = (rng.uniform(-0.45, 0.4, (10_000, 64)) + 0.05) * np.sign(p0.astype(np.float32))
+  steps = (drift * ulps(p0)).astype(np.float32)
   reference = p0.astype(np.float64) + steps.astype(np.float64).sum(axis=0)
   kahan = np.asarray(sum_in_float16_steps("kahan", p0, steps))
-  assert np.all(np.abs(kahan.astype(np.float64) - reference) <= ulps(kahan))  # measured: 0.50 (float16), 0.53 (bfloat16)
+  # measured: 0.50 (float16), 0.53 (bfloat16)
+  assert np.all(np.abs(kahan.astype(np.float64) - reference) <= ulps(kahan))
   assert np.mean(np.abs(reference - p0.astype(np.float64)) / ulps(p0)) > 100
   plain = jnp.asarray(p0)
   for u in steps[:200]:  # every step rounds away: no need for all 10,000
@@ -308,7 +316,9 @@ def test_updates_land_exactly_on_the_cast_master(dtype):
   rng = np.random.default_rng(0)
   p = finite_values(dtype, 200_000, rng)
   finfo = jnp.finfo(dtype)
-  extremes = np.array([0.0, -0.0, float(finfo.max), -float(finfo.max), float(finfo.tiny), float(finfo.smallest_subnormal)], np.float32)
+  extremes = np.array(
+      [0.0, -0.0, float(finfo.max), -float(finfo.max), float(finfo.tiny), float(finfo.smallest_subnormal)], np.float32
+  )
   p = np.concatenate([p, extremes.astype(dtype)])
   with np.errstate(over="ignore"):  # a master beyond the dtype's range is legal: it saturates
     master = make_master(p, dtype, rng)

@@ -68,16 +68,16 @@ def test_convolution_scan_and_while_loop():
     return jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
   assert jaxscale.precision_report(conv, x, kernel).matmul_flops == {"float32": 2 * (2 * 8 * 8 * 5) * (3 * 3 * 3)}
-  grouped = lambda x, k: jax.lax.conv_general_dilated(  # noqa: E731
+  grouped = lambda x, k: jax.lax.conv_general_dilated(
       x, k, (2, 2), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2)
   report = jaxscale.precision_report(grouped, jnp.ones((1, 9, 9, 4)), jnp.ones((3, 3, 2, 6)))
   assert report.matmul_flops == {"float32": 2 * (1 * 4 * 4 * 6) * (3 * 3 * 2)}
 
   w = jnp.ones((3, D, D), jnp.float16)
-  stacked = lambda w, h: jax.lax.scan(lambda h, w: (h @ w, None), h, w)[0]  # noqa: E731
+  stacked = lambda w, h: jax.lax.scan(lambda h, w: (h @ w, None), h, w)[0]
   report = jaxscale.precision_report(stacked, w, jnp.ones((B, D), jnp.float16))
   assert report.matmul_flops == {"float16": 3 * 2 * B * D * D}
-  looped = lambda w, h: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] @ w), (0, h))[1]  # noqa: E731
+  looped = lambda w, h: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] @ w), (0, h))[1]
   report = jaxscale.precision_report(looped, w[0], jnp.ones((B, D), jnp.float16))
   assert report.matmul_flops == {"float16": 2 * B * D * D} and report.while_loops == 1
   assert "while loops counted once: 1" in str(report)
@@ -111,8 +111,8 @@ def resnet():
 
     @nn.compact
     def __call__(self, x, train):
-      conv = lambda f, k, s=1: nn.Conv(f, (k, k), (s, s), use_bias=False, dtype=jnp.float32)  # noqa: E731
-      norm = lambda: nn.BatchNorm(use_running_average=not train, dtype=jnp.float32)  # noqa: E731
+      conv = lambda f, k, s=1: nn.Conv(f, (k, k), (s, s), use_bias=False, dtype=jnp.float32)
+      norm = lambda: nn.BatchNorm(use_running_average=not train, dtype=jnp.float32)
       y = nn.relu(norm()(conv(self.features, 3)(x)))
       y = norm()(conv(self.features, 3)(y))
       return nn.relu(y + (conv(self.features, 1)(x) if x.shape[-1] != self.features else x))
@@ -163,7 +163,7 @@ def test_operations_are_counted_per_dtype():
   assert report.matmul_counts == {"float16": 1}
   # float16: the two casts to it, the matmul, tanh; float32: the cast of tanh's output, the sum.
   assert report.op_counts == {"float16": 4, "float32": 2}
-  stacked = lambda w, h: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, w)[0]  # noqa: E731
+  stacked = lambda w, h: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, w)[0]
   report = jaxscale.precision_report(stacked, jnp.ones((5, 3, 3)), jnp.ones((2, 3)))
   assert report.matmul_counts == {"float32": 5} and report.op_counts == {"float32": 10}  # a scan's body 5 times
   assert str(report).splitlines()[:2] == [
