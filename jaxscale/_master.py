@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxscale import _optax, _policy, _rounding, _skip
+from jaxscale import _numerics, _optax, _policy, _rounding, _skip
 
 METHODS = ("float32", "kahan", "stochastic_rounding")
 
@@ -285,7 +285,7 @@ def _ulp_at(x: jax.Array, dtype) -> jax.Array:
   fi = jnp.finfo(dtype)
   lowest = max(int(fi.minexp) - int(fi.nmant), int(jnp.finfo(jnp.float32).minexp)) + 127  # biased
   exponent = (jax.lax.bitcast_convert_type(x, jnp.int32) >> 23) & 0xFF  # 0 for zero: the lowest
-  return jax.lax.bitcast_convert_type(jnp.maximum(exponent - int(fi.nmant), lowest) << 23, jnp.float32)
+  return _numerics.power_of_two(jnp.maximum(exponent - int(fi.nmant), lowest) - 127)
 
 
 def _clip_to(dtype, x: jax.Array) -> jax.Array:
