@@ -9,10 +9,10 @@ operation, the layer, the line and the pass that made the first inf:
   scaled cotangent of the loss is cast to float16 (the scale is too high for this model; the
   scaler halves it and the steps go through, or start lower with ``jaxscale.probe_scale``);
 - one batch with a corrupted sample (a feature 1e5 times too large): the forward pass
-  overflows in the first layer's matmul, at any scale (no scale fixes that: the data, or
-  normalising the inputs, does).
+  overflows where the first layer casts that input to float16, before its matmul, at any
+  scale (no scale fixes that: the data, or normalising the inputs, does).
 
-    python examples/find_overflow.py     # seconds on a CPU
+    python examples/find_overflow.py     # under a minute on a CPU
 """
 
 from __future__ import annotations
