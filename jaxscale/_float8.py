@@ -233,7 +233,8 @@ def warn_not_float8(name: str) -> None:
 
 
 def _dot(operands, dims, precision, dtype):
-  return lax.dot_general(*operands, dims, precision=precision, preferred_element_type=dtype)
+  lhs, rhs = operands
+  return lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=dtype)
 
 
 def _bind(primitive, params, *operands):

@@ -110,7 +110,8 @@ def _refuse_scaling_in_trace(fun, args, kwargs) -> None:
   if not callable(trace) or not callable(getattr(fun, "lower", None)):
     return
   try:
-    closed = trace(*args, **kwargs).jaxpr
+    traced: Any = trace(*args, **kwargs)
+    closed = traced.jaxpr
   except Exception:  # the call itself, under `grad`, raises whatever is wrong
     return
   marks = _marks(closed.jaxpr)

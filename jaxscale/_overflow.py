@@ -479,7 +479,8 @@ class _Census:
     # Reduced where the arrays are (a GPU's activations are not copied to the host), four
     # numbers back.
     flags, largest = _summary([jnp.asarray(a) for a in arrays])
-    return cls(*map(bool, flags), max(map(float, largest)))
+    nan, positive_inf, negative_inf = map(bool, flags)
+    return cls(nan, positive_inf, negative_inf, max(map(float, largest)))
 
 
 @jax.jit
