@@ -38,39 +38,39 @@ POLICIES = ("float32", "mixed_bfloat16", "mixed_float8")
 
 
 @contextlib.contextmanager
-def float8_at_any_size():
-  from jaxscale import _float8
-
-  rule, _float8.MIN_INTENSITY = _float8.MIN_INTENSITY, 0
+def patched(module, **values):
+  """`module`'s attributes set to `values` inside the block, restored after it."""
+  saved = {name: getattr(module, name) for name in values}
+  for name, value in values.items():
+    setattr(module, name, value)
   try:
     yield
   finally:
-    _float8.MIN_INTENSITY = rule
+    for name, value in saved.items():
+      setattr(module, name, value)
 
 
-@contextlib.contextmanager
+def float8_at_any_size():
+  """The size rule off: these models' matmuls are all too small for float8 to pay on a GPU."""
+  from jaxscale import _float8
+
+  return patched(_float8, MIN_INTENSITY=0)
+
+
 def every_matmul_in_float8():
   from jaxscale import _float8
 
-  small, _float8._SMALL = _float8._SMALL, 0
-  try:
-    yield
-  finally:
-    _float8._SMALL = small
+  return patched(_float8, _SMALL=0)
 
 
-@contextlib.contextmanager
 def logits_in_bfloat16():
   from jaxscale import _float8
 
   from lm import VOCAB
 
   rule = _float8.wider_reason
-  _float8.wider_reason = lambda p, params, lhs, rhs: "small" if VOCAB in rhs else rule(p, params, lhs, rhs)
-  try:
-    yield
-  finally:
-    _float8.wider_reason = rule
+  logits_small = lambda p, params, lhs, rhs: "small" if VOCAB in rhs else rule(p, params, lhs, rhs)
+  return patched(_float8, wider_reason=logits_small)
 
 
 @contextlib.contextmanager
