@@ -333,7 +333,9 @@ def _refuse_transformations_after(node) -> None:
   schedule counts the step. A transformation's state is a ``NamedTuple`` (``EmptyState()`` for a
   stateless one, which may be harmless, a clip, or not, a weight decay: they cannot be told
   apart); the wrapper outermost is right for all, so every one after it is refused. A user's own
-  tuple (``(opt_state, params)``) holds no ``NamedTuple`` after the scaler, and passes.
+  tuple (``(opt_state, params)``) holds no ``NamedTuple`` after the scaler, and passes. Older
+  optax releases (0.2.5) keep ``named_chain``'s state in a plain dict, whose order ``jit`` sorts:
+  it is not checked.
   """
   while not _is_scaler(node):
     children = jax.tree.leaves(node, is_leaf=lambda x: x is not node)
