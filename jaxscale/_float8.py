@@ -46,6 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from jaxscale import _tree
 from jaxscale._numerics import power_of_two
@@ -290,22 +292,52 @@ def _first_order_only(backward):
   """``backward`` whose own derivative is an error that names float8, never a silent zero.
 
   Differentiating the backward pass (``jax.hessian``, a Hessian-vector product, a gradient penalty)
-  would differentiate its roundings to float8, whose derivative is zero almost everywhere.
+  would differentiate its roundings to float8, whose derivative is zero almost everywhere. The
+  refusal waits until that derivative is used: JAX also linearizes a first-order gradient that is
+  then dropped (first-order SAM's ``stop_gradient(jax.grad(...))`` inside the loss), and that runs.
   """
   refused = jax.custom_jvp(backward)
 
   @refused.defjvp
   def refuse(primals, tangents):
-    del primals, tangents
-    raise TypeError(
-        "A second-order derivative (`jax.hessian`, a Hessian-vector product, a gradient penalty) "
-        "reached a float8 matmul of `jaxscale.autocast` under a float8 policy ('mixed_float8'): its "
-        "backward pass rounds to float8, whose derivative is zero almost everywhere, so the result "
-        "would be silently 0. Differentiate twice under 'mixed_bfloat16' instead, or wrap the part you "
-        "differentiate twice in `jaxscale.autocast(f, 'mixed_bfloat16')` inside the float8 function."
-    )
+    outs = backward(*primals)
+    # A tangent that depends linearly on every incoming one, through `_SECOND_ORDER`: transposed
+    # (reverse over reverse) or evaluated (forward over reverse), it raises; unused, XLA drops it.
+    floating = [t for t in jax.tree.leaves(tangents) if jnp.issubdtype(t.dtype, jnp.inexact)]
+    total = sum(jnp.sum(t.astype(jnp.float32)) for t in floating) * 0.0
+    return outs, jax.tree.map(lambda y: _SECOND_ORDER.bind(jnp.broadcast_to(total, y.shape).astype(y.dtype)), outs)
 
   return refused
+
+
+SECOND_ORDER_MESSAGE = (
+    "A second-order derivative (`jax.hessian`, a Hessian-vector product, a gradient penalty) "
+    "reached a float8 matmul of `jaxscale.autocast` under a float8 policy ('mixed_float8'): its "
+    "backward pass rounds to float8, whose derivative is zero almost everywhere, so the result "
+    "would be silently 0. Differentiate twice under 'mixed_bfloat16' instead, or wrap the part you "
+    "differentiate twice in `jaxscale.autocast(f, 'mixed_bfloat16')` inside the float8 function."
+)
+
+
+def _refuse(*args, **params):
+  raise TypeError(SECOND_ORDER_MESSAGE)
+
+
+def _refuse_used_transpose(ct, x):
+  if type(ct) is ad.Zero:  # the derivative is dropped (a `stop_gradient` after it): nothing to refuse
+    return [ad.Zero(x.aval) if ad.is_undefined_primal(x) else None]
+  raise TypeError(SECOND_ORDER_MESSAGE)
+
+
+# The tangent of a float8 backward pass: linear in form, an error wherever it is evaluated
+# (`impl`, lowering), transposed with a nonzero cotangent, or differentiated again.
+_SECOND_ORDER = Primitive("jaxscale_float8_second_order")
+_SECOND_ORDER.def_abstract_eval(lambda x: x)
+_SECOND_ORDER.def_impl(_refuse)
+mlir.register_lowering(_SECOND_ORDER, _refuse)
+ad.primitive_jvps[_SECOND_ORDER] = _refuse
+ad.primitive_transposes[_SECOND_ORDER] = _refuse_used_transpose
+batching.defvectorized(_SECOND_ORDER)
 
 
 def _unscaled(product, k: jax.Array, dtype: Any) -> jax.Array:

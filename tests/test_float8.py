@@ -662,6 +662,35 @@ def test_a_second_order_derivative_is_an_error_that_names_float8(name, jit):
   assert float(jnp.abs(SECOND_ORDER[name](bf16, w, x)).max()) > 0  # the alternative the error names
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_first_order_gradient_inside_the_loss_under_stop_gradient_runs_as_bfloat16s_does(jit):
+  """First-order SAM: the ascent step is a gradient taken inside the loss and cut by `stop_gradient`.
+  JAX still linearizes that inner gradient (the float8 backward pass) before dropping it, which was
+  refused as a second-order derivative; 'mixed_bfloat16' ran it. The peer: the same gradient taken at
+  the perturbed weights, computed apart. Same float8 operations on the same values, op by op: equal."""
+  w, x = jnp.asarray(normal((32, 32), scale=0.2)), jnp.asarray(normal((32, 32), seed=1))
+  cast = jaxscale.autocast(lambda w, x: jnp.mean(jnp.tanh(x @ w @ w) ** 2), "mixed_float8")
+
+  def ascent(w):
+    g = jax.grad(cast)(w, x)
+    return 0.05 * g / jnp.linalg.norm(g)
+
+  def sam(w, x):
+    return cast(w + lax.stop_gradient(ascent(w)), x)
+
+  grad = jax.jit(jax.grad(sam)) if jit else jax.grad(sam)
+  got = grad(w, x)
+  want = jax.grad(cast)(w + ascent(w), x)
+  if not jit:
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # Under jit XLA may fuse the perturbation differently (a float32 ulp in w + eps can move one float8
+  # rounding of an operand, 2**-4 of that element): compare with the eager peer to the float8 bound.
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2.0**-4 * float(np.abs(want).max()))
+  assert float(np.abs(np.asarray(got)).sum()) > 0
+  with pytest.raises(TypeError, match="second-order derivative"):  # without the cut, still refused
+    jax.grad(lambda w: cast(w + ascent(w), x))(w)
+
+
 # --- misuse --------------------------------------------------------------------------------------
 
 
