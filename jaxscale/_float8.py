@@ -4,7 +4,8 @@ float8 has float16's problem twice over: ``float8_e4m3fn`` holds 2**-9..448 with
 ``float8_e5m2`` 2**-16..57344 with 2. A tensor fits when it is first multiplied by a power of two
 chosen from its own absolute maximum (Transformer Engine's "current scaling")::
 
-    k     = the largest integer with amax(x) * 2**k <= finfo(float8).max     # 0 for amax 0, inf, NaN
+    k     = the largest integer with amax(x) * 2**k <= finfo(float8).max     # 0 for amax 0, inf, NaN;
+                                                                             # within [-126, 126]
     q     = float8(x * 2**k)                  # exact product, one rounding (`_round`)
     y     = dot(qa, qb, accumulate=float32) / 2**(ka + kb)   # products exact in float32 (`_unscaled`)
     dA    = dot(float8_e5m2(g * 2**kg), qb) / 2**(kg + kb)    # the backward's gradient in e5m2
@@ -24,8 +25,13 @@ Why each piece:
   no overflow when a tensor grows between steps. (Delayed scaling, TE's amax history, saves the
   reduction on a GPU; it is not here.)
 - On a GPU, the cast alone (XLA:GPU rounds float32 to float8 once; `nearest` only on a CPU), and
-  the unscaling one multiplication by a power of two, which XLA folds into the float8 GEMM
-  (cuBLASLt's alpha) so that the GEMM writes its result once, in the dtype it is returned in.
+  the unscaling each operand's ``2**-k``, which XLA folds into the float8 GEMM (cuBLASLt's A and B
+  scales) so that the GEMM writes its result once, in the dtype it is returned in. One scalar
+  ``2**-k`` a tensor, which its cast divides by and its GEMMs read: one small kernel a tensor, none
+  a GEMM (`_dequantized_product`).
+- Each tensor quantized once: the forward keeps its float8 operands as the backward's residuals
+  (the backward's products read the very float8 weight the forward read, never a re-quantized
+  one), and XLA merges the quantizations of one array read by several matmuls (one program).
 - A non-finite amax leaves the scale at 1: a NaN or inf goes through the cast (inf becomes NaN in
   e4m3fn, which has no inf) and reaches the result, where `dynamic_loss_scaling` or the user sees it.
 - Convolutions: ``conv_general_dilated`` takes one dtype for both operands, so the backward's
@@ -94,29 +100,34 @@ OTHER_MATMULS = frozenset({"ragged_dot_general", "scaled_matmul_wrapper", "scale
 def scale_exponent(amax: jax.Array, dtype: Any) -> jax.Array:
   """The ``k`` (int32) with ``amax * 2**k <= finfo(dtype).max < amax * 2**(k + 1)``.
 
-  Found from the exponents of ``amax`` and of the largest ``dtype`` value (``frexp``),
-  not from a ``log2`` that could round across a power of two. ``k`` is 0 where ``amax`` is
-  0, inf or NaN, and kept within [-126, 127], so that ``2**k`` is a normal float32 (only an
-  amax below about 1e-35 meets the upper bound).
+  Read from the bits of ``amax`` and of the largest ``dtype`` value (their exponent fields, and
+  whether ``amax``'s significand passes the largest value's), not from a ``log2`` that could round
+  across a power of two: a dozen integer operations on a scalar, which XLA computes where the scale
+  is used rather than in a kernel of its own. ``k`` is 0 where ``amax`` is 0 (or subnormal), inf, NaN or negative,
+  and kept within [-126, 126], so that ``2**k`` and ``2**-k`` are normal float32s (only an amax
+  below about 1e-35 meets the upper bound).
   """
-  amax = jnp.asarray(amax, jnp.float32)
-  top_mantissa, top_exponent = np.frexp(float(jnp.finfo(dtype).max))
-  mantissa, exponent = jnp.frexp(amax)
-  k = top_exponent - exponent - (mantissa > top_mantissa).astype(jnp.int32)
-  k = jnp.where((amax > 0) & jnp.isfinite(amax), k, 0)
-  return jnp.clip(k, -126, 127).astype(jnp.int32)
+  bits = lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32)
+  top = int(np.asarray(jnp.finfo(dtype).max, np.float32).view(np.int32))
+  exponent, significand = bits >> 23, bits & 0x7FFFFF
+  k = (top >> 23) - exponent - (significand > (top & 0x7FFFFF)).astype(jnp.int32)
+  # Positive, normal and finite: a subnormal amax is 0 to XLA (it flushes them), and so is its k.
+  k = jnp.where((bits >= 0x800000) & (bits < 0x7F800000), k, 0)
+  return jnp.clip(k, -126, 126).astype(jnp.int32)
 
 
 def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
   """``(q, k)``: ``x * 2**k`` rounded to the float8 ``dtype``, ``k`` from ``x``'s absolute maximum.
 
-  ``x / 2**k`` is ``q``'s value; the multiplication is exact (a power of two, in float32 or
-  wider), so the cast is the one rounding: to nearest, ties to even, as ``ml_dtypes`` rounds.
+  ``x / 2**k`` is ``q``'s value; the scaling is exact (a power of two, in float32 or wider), so
+  the cast is the one rounding: to nearest, ties to even, as ``ml_dtypes`` rounds. Written as a
+  division by ``2**-k``, the factor the GEMMs read (`_dequantized_product`): XLA computes that one
+  scalar once for the cast and the GEMMs, where ``2**k`` and ``2**-k`` took a kernel each.
   """
   wide = jnp.promote_types(x.dtype, jnp.float32)
   x = x.astype(wide)
   k = scale_exponent(jnp.max(jnp.abs(x)) if x.size else jnp.zeros((), wide), dtype)
-  return _round(x * power_of_two(k).astype(wide), dtype), k
+  return _round(x / power_of_two(-k).astype(wide), dtype), k
 
 
 def _round(y: jax.Array, dtype: Any) -> jax.Array:
@@ -269,15 +280,18 @@ def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True
 
   def forward(lhs, rhs):
     (qa, ka), (qb, kb) = quantize(lhs, FORWARD), quantize(rhs, FORWARD)
-    y = _unscaled(lambda dtype: product(qa, qb, dtype), ka + kb, compute_dtype)
+    if primitive.name == "dot_general":
+      y = _unscaled_product(product, (qa, qb), (ka, kb), compute_dtype)
+    else:
+      y = _unscaled(lambda dtype: product(qa, qb, dtype), ka + kb, compute_dtype)
     return y, (qa, ka, qb, kb)
 
   def backward(residuals, g):
     qa, ka, qb, kb = residuals
     qg, kg = quantize(g, BACKWARD)
     if primitive.name == "dot_general":
-      da = _dot_cotangent(qg, qb, params, qa.ndim, kg + kb, written[0], lhs=True)
-      db = _dot_cotangent(qg, qa, params, qb.ndim, kg + ka, written[1], lhs=False)
+      da = _dot_cotangent(qg, qb, params, qa.ndim, (kg, kb), written[0], lhs=True)
+      db = _dot_cotangent(qg, qa, params, qb.ndim, (ka, kg), written[1], lhs=False)
     else:
       da, db = _marked(conv_cotangents, "conv_backward")(qg, qa, qb)
       da, db = _unscaled(da.astype, kg + kb, written[0]), _unscaled(db.astype, kg + ka, written[1])
@@ -357,14 +371,41 @@ def _unscaled(product, k: jax.Array, dtype: Any) -> jax.Array:
   )
 
 
-def _dot_cotangent(g, other, params, ndim: int, k: jax.Array, dtype: Any, *, lhs: bool) -> jax.Array:
-  """The cotangent of one operand of ``dot_general(lhs, rhs)``: ``g`` contracted with the other operand, ``/ 2**k``.
+def _unscaled_product(product, operands, ks, dtype: Any) -> jax.Array:
+  """``product(a, b, result_dtype)`` of the float8 ``operands``, ``/ 2**(ka + kb)``, in ``dtype``.
+
+  On a GPU, `_dequantized_product`; on a CPU, `unscale` of the float32 product, as in `_unscaled`.
+  """
+  (qa, qb), (ka, kb) = operands, ks
+  return lax.platform_dependent(
+      cpu=lambda: unscale(product(qa, qb, np.dtype(np.float32)), ka + kb).astype(dtype),
+      default=lambda: _dequantized_product(product, operands, ks, dtype),
+  )
+
+
+def _dequantized_product(product, operands, ks, dtype: Any) -> jax.Array:
+  """The product of each float8 operand times its own ``2**-k``, in ``dtype``.
+
+  The pattern XLA:GPU rewrites into one float8 GEMM that takes the two factors as its scale
+  operands (cuBLASLt's A and B scales): no kernel combines the two scales, and the scale a tensor's
+  cast used is the one its GEMMs read (``2**-k``, a normal float32 for ``k`` within [-126, 126]).
+  The GEMM multiplies the float32 sum of the exact products by the two factors and rounds once to
+  ``dtype``: the value of `_unscaled`'s one factor ``2**-(ka + kb)`` wherever that is a normal float32.
+  """
+  a, b = (q.astype(dtype) * power_of_two(-k).astype(dtype) for q, k in zip(operands, ks))
+  return product(a, b, np.dtype(dtype))
+
+
+def _dot_cotangent(g, other, params, ndim: int, ks: tuple, dtype: Any, *, lhs: bool) -> jax.Array:
+  """The cotangent of one operand of ``dot_general(lhs, rhs)``: ``g`` contracted with the other operand, unscaled.
+
+  ``ks``: the scale exponents of the product's two operands, in the order the product takes them.
 
   ``g``'s dimensions are the batch dimensions, then the lhs's kept ones, then the rhs's. The
   product takes ``g`` on the side of this operand, so that it keeps the batch, then this
   operand's dimensions in their own order wherever the forward's were in the usual order (the
-  other's contracted ones, ascending, pair with this operand's contracted ones): the unscaling
-  is then the GEMM's only user, which XLA folds in, and the transpose that follows the identity.
+  other's contracted ones, ascending, pair with this operand's contracted ones): the GEMM then
+  writes this operand's layout, and the transpose that follows is the identity.
   """
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params["dimension_numbers"]
   own_contract, other_contract = (lhs_contract, rhs_contract) if lhs else (rhs_contract, lhs_contract)
@@ -383,5 +424,5 @@ def _dot_cotangent(g, other, params, ndim: int, k: jax.Array, dtype: Any, *, lhs
     operands, dims = (other, g), ((other_kept, g_contract), (other_batch, g_batch))
     order = [*own_batch, *paired, *own_kept]
   precision = params.get("precision")
-  out = _unscaled(functools.partial(_dot, operands, dims, precision), k, dtype)
+  out = _unscaled_product(lambda a, b, dtype: _dot((a, b), dims, precision, dtype), operands, ks, dtype)
   return jnp.transpose(out, tuple(int(i) for i in np.argsort(order)))

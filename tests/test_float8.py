@@ -53,7 +53,8 @@ def reference_exponent(amax: float, dtype) -> int:
     k -= 1
   while np.ldexp(amax, k + 1) <= top:
     k += 1
-  return int(np.clip(k, -126, 127))
+  # Within [-126, 126]: 2**k scales the cast and 2**-k the product, both normal float32s.
+  return int(np.clip(k, -126, 126))
 
 
 def reference_quantize(x, dtype):
@@ -149,9 +150,12 @@ def test_quantize_is_ml_dtypes_rounding_of_the_exact_scaled_value(name, fmt):
 
 def test_scale_exponent_is_the_largest_that_fits():
   top = float(ml_dtypes.finfo(E4M3).max)  # 448
-  amax = np.array([top, top * (1 + 2.0**-23), top / 2, 1.0, 3.0, 1e-20, 2.0**-125, 0.0, np.inf, np.nan], np.float32)
+  amax = [top, top * (1 + 2.0**-23), top / 2, 1.0, 3.0, 1e-20, 2.0**-125, 0.0, np.inf, np.nan, 2.0**-130, -1.0]
+  amax = np.array(amax, np.float32)
   k = np.asarray(jax.vmap(lambda m: _float8.scale_exponent(m, E4M3))(amax))
-  np.testing.assert_array_equal(k, [0, -1, 1, 8, 7, 75, 127, 0, 0, 0])
+  # 2**-125 would take 133: kept at 126 (2**-k a normal float32); a subnormal amax is 0 to XLA, and a
+  # negative one is not an absolute maximum: both leave the scale at 1.
+  np.testing.assert_array_equal(k, [0, -1, 1, 8, 7, 75, 126, 0, 0, 0, 0, 0])
   for value, exponent in zip(amax[:6], k[:6]):  # the definition, checked in float64
     assert np.ldexp(np.float64(value), int(exponent)) <= top < np.ldexp(np.float64(value), int(exponent) + 1)
 
@@ -331,6 +335,61 @@ def test_gradients_reach_each_operand_in_its_own_dtype():
   assert (y.dtype, da.dtype, db.dtype) == (jnp.bfloat16, jnp.bfloat16, F32)
 
 
+def summation_bound(exact_magnitudes, terms, out_dtype):
+  """Float32's summation of ``terms`` exact float8 products (``exact_magnitudes``: the sum of their
+  magnitudes, unscaled) in any order (Higham 3.1), then one rounding to ``out_dtype``: the whole error
+  of a product whose operands are the reference's float8 values (a power-of-two unscaling is exact)."""
+  gamma = terms * ACCUMULATION_UNIT / (1 - terms * ACCUMULATION_UNIT)
+  cast = 2.0 ** -(jnp.finfo(out_dtype).nmant + 1)
+  return lambda exact: gamma * exact_magnitudes * (1 + cast) + cast * np.abs(exact)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_the_backward_reads_the_float8_weight_the_forward_read(jit):
+  """A weight read by two matmuls, through autocast: each input's gradient is the e5m2 gradient times
+  the forward's e4m3 weight (ml_dtypes' rounding of the weight times its scale) to float32's summation
+  error alone. A backward that read another rounding of the weight (e5m2, another scale, the float32
+  weight) would be off by up to 2**-4 of a term: the check below shows the bound tells them apart."""
+  w, x, z = normal((96, 80), scale=0.3), normal((64, 96), seed=1), normal((32, 96), seed=2, scale=50.0)
+  g1, g2 = normal((64, 80), seed=3), normal((32, 80), seed=4, scale=1e-5)
+  cast = jaxscale.autocast(lambda w, x, z: (x @ w, z @ w), "mixed_float8")
+  vjp = jax.jit(lambda *args: jax.vjp(cast, *args)[1]) if jit else (lambda *args: jax.vjp(cast, *args)[1])
+  _, dx, dz = vjp(*(jnp.asarray(v) for v in (w, x, z)))((jnp.asarray(g1), jnp.asarray(g2)))
+  assert dx.dtype == dz.dtype == F32
+  qw, kw = reference_quantize(w, E4M3)
+  qw = qw.astype(np.float64)
+  # The outputs were bfloat16 (the compute dtype), cast to float32: their cotangents come back through
+  # that cast, as bfloat16, before the e5m2 quantization.
+  for grad, g in ((dx, g1), (dz, g2)):
+    qg, kg = reference_quantize(np.asarray(g, ml_dtypes.bfloat16).astype(np.float64), E5M2)
+    qg = qg.astype(np.float64)
+    exact = np.ldexp(qg @ qw.T, -(kg + kw))
+    bound = summation_bound(np.ldexp(np.abs(qg) @ np.abs(qw).T, -(kg + kw)), 80, np.float32)(exact)
+    assert (np.abs(np.asarray(grad, np.float64) - exact) <= bound).all()
+    other = np.ldexp(qg, -kg) @ w.astype(np.float64).T  # the same gradient with the unquantized weight
+    assert (np.abs(other - exact) > bound).mean() > 0.5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("shift", [0, 60, -60], ids=lambda j: f"scales{j:+d}")
+def test_the_gpus_form_of_the_product_is_the_single_factors_value(dtype, shift):
+  """A GPU multiplies the float32 sum of the exact float8 products by each operand's 2**-k (cuBLASLt's
+  A and B scales; `_dequantized_product`), where the rule used to multiply it by one factor
+  2**-(ka + kb) (cuBLASLt's alpha): one exact power-of-two scaling then one rounding either way, so the
+  two are the same value wherever the result is a normal float32, bit for bit, and equal to the CPU's
+  form (`unscale`). Run here on the CPU (where XLA scales the operands before the sum, the same exact
+  scalings), at scales that move ka + kb to -78, 12 and 102, the products staying in float32's range."""
+  a, b = normal((48, 64), scale=2.0**shift), normal((64, 40), seed=1, scale=2.0 ** (shift // 2))
+  (qa, ka), (qb, kb) = _float8.quantize(jnp.asarray(a), E4M3), _float8.quantize(jnp.asarray(b), E4M3)
+  product = lambda a, b, out: lax.dot_general(a, b, MATMUL, preferred_element_type=out)
+  gpu = jax.jit(lambda *args: _float8._dequantized_product(product, args[:2], args[2:], dtype))(qa, qb, ka, kb)
+  cpu = _float8.unscale(product(qa, qb, F32), ka + kb).astype(dtype)
+  assert gpu.dtype == np.dtype(dtype)
+  single = (product(qa, qb, F32) * _numerics.power_of_two(-(ka + kb))).astype(dtype)
+  np.testing.assert_array_equal(np.asarray(gpu, np.float64), np.asarray(single, np.float64))
+  np.testing.assert_array_equal(np.asarray(gpu, np.float64), np.asarray(cpu, np.float64))
+
+
 # --- zeros, inf, NaN -----------------------------------------------------------------------------
 
 
@@ -399,7 +458,12 @@ def matmuls(jaxpr, reason=None):
       yield tuple(np.dtype(v.aval.dtype) for v in eqn.invars), reason
     name = str(eqn.params.get("name", ""))
     inner_reason = name.split(WIDER)[1].rstrip(")") if WIDER in name else reason
-    for value in eqn.params.values():
+    params = eqn.params
+    if "branches_platforms" in params:  # `lax.platform_dependent`: the branch this backend runs
+      platforms = params["branches_platforms"]
+      here = [i for i, names in enumerate(platforms) if names is not None and jax.default_backend() in names]
+      params = {"branches": [params["branches"][(here or [platforms.index(None)])[0]]]}
+    for value in params.values():
       for item in value if isinstance(value, (tuple, list)) else (value,):
         inner = getattr(item, "jaxpr", item)
         if hasattr(inner, "eqns"):
