@@ -71,9 +71,12 @@ def test_the_scaler_step_has_fewer_kernels_than_every_peer():
 # forward, and seven backward (the first projection's input gradient is never needed: the step
 # differentiates the parameters). Current scaling costs an amax pass per operand, so float8 moves
 # a few percent more bytes than bfloat16; the GEMMs at twice the rate bring the estimate to ~0.71x.
+# Kernels: per quantized tensor (twelve) a partial and a final amax, one scale 2**-k and one cast
+# (35 over bfloat16's, measured 2026-11-28); a GEMM adds none (its scales are its operands').
 # At d 1024 the rule keeps the matmuls too small to gain in bfloat16: never slower than bfloat16.
 @pytest.mark.parametrize("title, budget", [
-    ("transformer block fwd+bwd, d 4096, seq 2048, batch 4", dict(fp8_gemms=11, hbm=1.10, peak=1.0, estimate=0.72)),
+    ("transformer block fwd+bwd, d 4096, seq 2048, batch 4",
+     dict(fp8_gemms=11, kernels=36, hbm=1.10, peak=1.0, estimate=0.71)),
     ("transformer block fwd+bwd, d 1024, seq 1024, batch 4", dict(hbm=1.06, peak=1.0, estimate=1.0)),
 ])
 def test_float8_is_faster_than_bfloat16_where_its_matmuls_are_large(title, budget):
