@@ -452,15 +452,21 @@ WIDER = "jaxscale_float8_wider_"  # the name of the jit around a matmul kept wid
 
 
 def matmuls(jaxpr, reason=None):
-  """(dtypes of the operands, reason) of every matmul at any depth; reason: the wider jit it sits in."""
+  """(dtypes of the operands, reason) of every matmul at any depth; reason: the wider jit it sits in.
+  Of a `lax.platform_dependent`, the branch this backend runs."""
+  # The platforms of each branch, by the variable a `platform_index` writes (for releases whose
+  # cond carries no `branches_platforms`).
+  platform_of = {}
   for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "platform_index":
+      platform_of[id(eqn.outvars[0])] = eqn.params["platforms"]
     if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
       yield tuple(np.dtype(v.aval.dtype) for v in eqn.invars), reason
     name = str(eqn.params.get("name", ""))
     inner_reason = name.split(WIDER)[1].rstrip(")") if WIDER in name else reason
     params = eqn.params
-    if "branches_platforms" in params:  # `lax.platform_dependent`: the branch this backend runs
-      platforms = params["branches_platforms"]
+    platforms = params.get("branches_platforms") or (eqn.invars and platform_of.get(id(eqn.invars[0])))
+    if eqn.primitive.name == "cond" and platforms:
       here = [i for i, names in enumerate(platforms) if names is not None and jax.default_backend() in names]
       params = {"branches": [params["branches"][(here or [platforms.index(None)])[0]]]}
     for value in params.values():
