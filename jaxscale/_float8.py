@@ -318,6 +318,8 @@ def _first_order_only(backward):
     # A tangent that depends linearly on every incoming one, through `_SECOND_ORDER`: transposed
     # (reverse over reverse) or evaluated (forward over reverse), it raises; unused, XLA drops it.
     floating = [t for t in jax.tree.leaves(tangents) if jnp.issubdtype(t.dtype, jnp.inexact)]
+    if not floating:  # only integer inputs vary (float0 tangents): nothing is differentiated
+      return outs, jax.tree.map(jnp.zeros_like, outs)
     total = sum(jnp.sum(t.astype(jnp.float32)) for t in floating) * 0.0
     return outs, jax.tree.map(lambda y: _SECOND_ORDER.bind(jnp.broadcast_to(total, y.shape).astype(y.dtype)), outs)
 
