@@ -287,8 +287,8 @@ def warn_no_float8(matmuls, policy: Any, name: str) -> None:
       f"`{primitive.name}` of {list(lhs_shape)} and {list(rhs_shape)} ({2 * macs:.3g} FLOPs), has an "
       f"arithmetic intensity of {largest_intensity:.0f} multiply-adds per element read or written, {why} "
       f"(`precision_report` lists every reason). On a GPU whose float8 pays at a lower intensity than an "
-      "H100's 512, or to study float8's numerics, lower `min_intensity` (the policy string "
-      "'p=f32,c=bf16,o=f32,m=f8,min_intensity=0'); otherwise use 'mixed_bfloat16' to say so.",
+      "H100's 512, or to study float8's numerics, lower the policy's `min_intensity` (e.g. "
+      "'mixed_float8,min_intensity=0'); otherwise use 'mixed_bfloat16' to say so.",
       stacklevel=2,
   )
 

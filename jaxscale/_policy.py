@@ -212,7 +212,8 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     ``p=f32,c=f16,o=f16``). ``matmul=float8`` (``m=f8``) adds float8 matmuls:
     ``min_intensity=0`` with it changes the arithmetic intensity below which a matmul
     stays in the compute dtype (512 by default: :class:`Policy`). ``str(policy)`` is read
-    back as the same policy.
+    back as the same policy;
+  * a preset followed by keys that change it: ``"mixed_float8,min_intensity=0"``.
 
   Dtype names: ``float32``/``f32``/``full``, ``float16``/``f16``,
   ``bfloat16``/``bf16``, ``float64``/``f64``, and ``half`` (float16, or
@@ -245,6 +246,11 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
   if not isinstance(spec, str):
     raise TypeError(f"`get_policy` takes a string or a `jaxscale.Policy`, got {type(spec).__name__}: {spec!r}.")
   text = spec.strip().lower()
+  head, _, keys = text.partition(",")
+  if head.strip() in _PRESETS and keys:  # a preset, then keys over it: "mixed_float8,min_intensity=0"
+    base = get_policy(head)
+    matmul = ",m=f8" if base.matmul_dtype is not None else ""
+    text = f"p={base.param_dtype.name},c={base.compute_dtype.name},o={base.output_dtype.name}{matmul},{keys}"
   if text in _PRESETS:
     param, compute, output, *matmul = _PRESETS[text]
     return Policy(*(_dtype(name, spec) for name in (param, compute, output)), *matmul)
