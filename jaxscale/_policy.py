@@ -213,7 +213,7 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     ``min_intensity=0`` with it changes the arithmetic intensity below which a matmul
     stays in the compute dtype (512 by default: :class:`Policy`). ``str(policy)`` is read
     back as the same policy;
-  * a preset followed by keys that change it: ``"mixed_float8,min_intensity=0"``.
+  * a preset (or one dtype) followed by keys that change it: ``"mixed_float8,min_intensity=0"``.
 
   Dtype names: ``float32``/``f32``/``full``, ``float16``/``f16``,
   ``bfloat16``/``bf16``, ``float64``/``f64``, and ``half`` (float16, or
@@ -247,7 +247,7 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     raise TypeError(f"`get_policy` takes a string or a `jaxscale.Policy`, got {type(spec).__name__}: {spec!r}.")
   text = spec.strip().lower()
   head, _, keys = text.partition(",")
-  if head.strip() in _PRESETS and keys:  # a preset, then keys over it: "mixed_float8,min_intensity=0"
+  if keys and (head.strip() in _PRESETS or head.strip() in _NAMES):  # keys over a preset: "mixed_float8,m...=0"
     base = get_policy(head)
     matmul = ",m=f8" if base.matmul_dtype is not None else ""
     text = f"p={base.param_dtype.name},c={base.compute_dtype.name},o={base.output_dtype.name}{matmul},{keys}"
