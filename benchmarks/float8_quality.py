@@ -15,7 +15,7 @@ whether the mean lies inside float32's seed spread (min..max over the seeds). Ro
                                             256-wide dimension) kept in bfloat16 (patched the same
                                             way): measures whether the logits need it
 
-Every mixed_float8 row runs with the speed rule off (`jaxscale._float8.MIN_INTENSITY` patched to 0):
+Every mixed_float8 row runs with the speed rule off (the policy "mixed_float8,min_intensity=0"):
 the examples' matmuls are far below the size at which float8 pays on a GPU, so under the preset
 they would run in bfloat16; this script measures float8's numerics on them.
 
@@ -34,7 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
-POLICIES = ("float32", "mixed_bfloat16", "mixed_float8")
+FLOAT8 = "mixed_float8,min_intensity=0"  # the size rule off: these models' matmuls are all small
+POLICIES = ("float32", "mixed_bfloat16", FLOAT8)
 
 
 @contextlib.contextmanager
@@ -50,13 +51,6 @@ def patched(module, **values):
       setattr(module, name, value)
 
 
-def float8_at_any_size():
-  """The size rule off: these models' matmuls are all too small for float8 to pay on a GPU."""
-  from jaxscale import _float8
-
-  return patched(_float8, MIN_INTENSITY=0)
-
-
 def every_matmul_in_float8():
   from jaxscale import _float8
 
@@ -69,7 +63,7 @@ def logits_in_bfloat16():
   from lm import VOCAB
 
   rule = _float8.wider_reason
-  logits_small = lambda p, params, lhs, rhs: "small" if VOCAB in rhs else rule(p, params, lhs, rhs)
+  logits_small = lambda p, params, lhs, rhs, *rest: "small" if VOCAB in rhs else rule(p, params, lhs, rhs, *rest)
   return patched(_float8, wider_reason=logits_small)
 
 
@@ -106,8 +100,7 @@ def run(example: str, seed: int, extra: list[str], ablate: bool, logits_wider: b
   module = __import__(example)
   common = ["--seed", str(seed), "--no-plot", "--no-progress", *extra]
   losses = {}
-  with float8_at_any_size():
-    results = module.main([*common, *(f"--precision={p}" for p in POLICIES)])
+  results = module.main([*common, *(f"--precision={p}" for p in POLICIES)])
   for result in results:
     losses[result.name] = result.eval_metrics[-1]["loss"]
   if example == "digits":
@@ -115,12 +108,12 @@ def run(example: str, seed: int, extra: list[str], ablate: bool, logits_wider: b
       (result,) = module.main([*common, "--runs", "0"])
     losses["flax fp8_ops (Dense), bfloat16 convs"] = result.eval_metrics[-1]["loss"]
   if ablate:
-    with float8_at_any_size(), every_matmul_in_float8():
-      (result,) = module.main([*common, "--precision=mixed_float8"])
+    with every_matmul_in_float8():
+      (result,) = module.main([*common, f"--precision={FLOAT8}"])
     losses["mixed_float8, every matmul (ablation)"] = result.eval_metrics[-1]["loss"]
   if logits_wider:
-    with float8_at_any_size(), logits_in_bfloat16():
-      (result,) = module.main([*common, "--precision=mixed_float8"])
+    with logits_in_bfloat16():
+      (result,) = module.main([*common, f"--precision={FLOAT8}"])
     losses["mixed_float8, logits in bfloat16 (ablation)"] = result.eval_metrics[-1]["loss"]
   return losses
 

@@ -20,6 +20,7 @@ are charged their bytes only (no FLOPs), so a convolution's estimate is a lower 
 
     python benchmarks/gpu_program.py                  # the scaler, sixteen-bit and float8 tables
     python benchmarks/gpu_program.py scaler mlp       # some of them (see --help)
+    python benchmarks/gpu_program.py models           # real models' training steps (benchmarks/models.py)
     python benchmarks/gpu_program.py --write-docs     # and regenerate docs/performance.md's tables
 
 Needs the CUDA plugin at jax's version, which compiles for the GPU without one:
@@ -317,6 +318,32 @@ def conv_table(batch=64, size=32, channels=128, depth=4):
   return {"mixed_bfloat16": row("mixed_bfloat16"), "mixed_float8": row("mixed_float8")}
 
 
+def model_table(build, donate=(0, 1)):
+  """A real model's full training step (benchmarks/models.py: loss, gradients, AdamW) under each policy."""
+
+  def row(policy):
+    def built():
+      step, args = build(policy)
+      return step, args, donate
+
+    return built
+
+  return {"mixed_bfloat16": row("mixed_bfloat16"), "mixed_float8": row("mixed_float8")}
+
+
+def model_tables():
+  """GPT-2 small's shape, the same Transformer at d 4096, and a ResNet50: Flax models, unchanged."""
+  import models
+
+  wide = models.GPTConfig(layers=2, width=4096, mlp=16384, heads=32, seq=2048, batch=4)
+  return {
+      "GPT-2-small-shaped step (12 x d 768, seq 1024, batch 8), AdamW": model_table(models.gpt_step),
+      "Transformer step, 2 x d 4096, mlp 16384, seq 2048, batch 4, AdamW": model_table(
+          functools.partial(models.gpt_step, config=wide)),
+      "ResNet50 step (224x224, batch 64), AdamW": model_table(models.resnet_step, donate=(0, 1, 2)),
+  }
+
+
 TABLES = {
     "scaler": scaler_tables,
     "sixteen": lambda: {"Adam step, 32M params / 8 leaves": sixteen_table()},
@@ -325,6 +352,8 @@ TABLES = {
     "float8": lambda: {"transformer block fwd+bwd, d 4096, seq 2048, batch 4": float8_table(),
                        "transformer block fwd+bwd, d 1024, seq 1024, batch 4": float8_table(1024, 1024),
                        "conv net fwd+bwd, 4 x 3x3x128, 32x32, batch 64": conv_table()},
+    # Not in the default run: the three steps compile in about 100 s (benchmarks/NOTES.md).
+    "models": model_tables,
 }
 
 

@@ -20,6 +20,7 @@ from jaxscale._metrics import metrics
 from jaxscale._policy import Policy, get_policy, needs_loss_scaling
 from jaxscale._autocast import autocast
 from jaxscale._report import PrecisionReport, precision_report
+from jaxscale._compiled import CompiledReport, compiled_report
 from jaxscale._master import MasterWeightsState, master_weights
 from jaxscale._lowp import LowPrecisionState, low_precision_state
 from jaxscale._device import recommended_policy, supports_bfloat16, supports_float16
@@ -50,11 +51,13 @@ __all__ = (
     "update",
     "value_and_grad",
     # Mixed precision around the scaler.
+    "CompiledReport",
     "MasterWeightsState",
     "LowPrecisionState",
     "Policy",
     "PrecisionReport",
     "autocast",
+    "compiled_report",
     "get_policy",
     "master_weights",
     "low_precision_state",

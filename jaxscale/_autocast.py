@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -168,11 +169,14 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
       return out_leaves, [written[i] for i in found["written"]]
 
     closed = jax.make_jaxpr(traced)(*arrays)
-    token = _INPUTS.set(arrays)
+    token, met = _INPUTS.set(arrays), _FLOAT8_MATMULS.set([])
     try:
       outs = evaluate(closed.jaxpr, closed.consts, arrays, policy)
+      if policy.matmul_dtype is not None:  # once per trace of this function, not per call
+        _float8.warn_no_float8(_FLOAT8_MATMULS.get(), policy, _describe(fun))
     finally:
       _INPUTS.reset(token)
+      _FLOAT8_MATMULS.reset(met)
     split = len(outs) - len(found["written"])
     out = jax.tree.unflatten(found["out_tree"], outs[:split])
     return policy.cast_to_output(out), dict(zip(found["written"], outs[split:]))
@@ -200,6 +204,13 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
     return out
 
   return wrapped  # type: ignore[return-value]
+
+
+def _describe(fun) -> str:
+  """``fun``'s name and where it is defined, for a warning raised while JAX traces it."""
+  code = getattr(inspect.unwrap(fun), "__code__", None)
+  where = f" ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code else ""
+  return f"`{getattr(fun, '__qualname__', type(fun).__name__)}`{where}"
 
 
 _DYNAMIC = None  # in `wrapped`'s static description of its arguments: an array, passed to the jit
@@ -230,6 +241,9 @@ class _Static:
 # matmul writes the gradient of one of them (a parameter) in its own dtype, an activation's in the
 # compute dtype.
 _INPUTS: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxscale_autocast_inputs", default=())
+# The matmuls a float8 policy meets while the autocast function is traced, for the warning that none
+# of them runs in float8.
+_FLOAT8_MATMULS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxscale_float8_matmuls", default=None)
 
 
 def evaluate(
@@ -266,7 +280,9 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
   if policy.matmul_dtype is not None:
     lhs, rhs = ins
     inputs = [any(x is arg for arg in _INPUTS.get()) for x in ins]
-    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs)]
+    if (met := _FLOAT8_MATMULS.get()) is not None:
+      met.append((eqn.primitive, eqn.params, lhs.shape, rhs.shape))
+    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, policy.min_intensity)]
   return _interpret.bind(eqn, [_to(x, compute) for x in ins], dict(eqn.params, preferred_element_type=compute))
 
 

@@ -44,6 +44,7 @@ Why each piece:
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 from typing import Any
@@ -65,16 +66,20 @@ FLOAT8 = (FORWARD, BACKWARD)
 #: Matmuls kept in the compute dtype under a float8 policy, by the suffix of the `jit` that marks
 #: them in the program (see `wider_reason`), and why.
 WIDER = "jaxscale_float8_wider_"
+#: The name scope of a scaled float8 product (`_unscaled`): in the compiled program, each GEMM asked for
+#: in float8, forward and backward, carries it in its `op_name` metadata.
+SCALED = "jaxscale_float8_matmul"
 REASONS = {
     "small": (
         "a contracted size or an output dimension below 16: float8 tensor cores work in tiles of "
         "16, so float8 would cost this matmul its precision and gain it no speed"
     ),
     "intensity": (
-        "fewer than 512 multiply-adds per element it reads or writes (M*K*N / (M*K + K*N + M*N) for "
-        "an [M,K] x [K,N] product; three times that for a convolution, whose backward products run in "
-        "bfloat16): on an H100 its float8 GEMM saves less time than quantizing its operands (an "
-        "absolute-maximum pass and a cast pass each) costs"
+        "fewer multiply-adds per element it reads or writes (M*K*N / (M*K + K*N + M*N) for an "
+        "[M,K] x [K,N] product) than the policy's `min_intensity` (512 by default; three times it for "
+        "a convolution, whose backward products run in bfloat16): on an H100, below 512, its float8 "
+        "GEMM saves less time than quantizing its operands (an absolute-maximum pass and a cast pass "
+        "each) costs"
     ),
     "conv_backward": (
         "a convolution's backward product: `lax.conv_general_dilated` takes one dtype for both "
@@ -83,9 +88,10 @@ REASONS = {
     ),
 }
 _SMALL = 16
-# The arithmetic intensity below which float8 does not pay on an H100: one [M,K] x [K,N] matmul forward
-# and backward, float32 weights, bfloat16 activations, in the compiled H100 program's roofline, breaks
-# even near 450 (4096 x 1024 x 1024: 0.99 of bfloat16's time; 683: 0.76; 341: 1.31; benchmarks/NOTES.md).
+# The default of `Policy.min_intensity`, the arithmetic intensity below which float8 does not pay on an
+# H100: one [M,K] x [K,N] matmul forward and backward, float32 weights, bfloat16 activations, in the
+# compiled H100 program's roofline, breaks even near 450 (4096 x 1024 x 1024: 0.99 of bfloat16's time;
+# 683: 0.76; 341: 1.31; benchmarks/NOTES.md). Another GPU's break-even is its own (docs/float8.md).
 MIN_INTENSITY = 512
 # A convolution gains in its forward product only (cuDNN has no float8 backward), a third of what a
 # matmul gains for the same quantization: it needs three times the intensity. (The instrument counts
@@ -172,8 +178,13 @@ def unscale(acc: jax.Array, k: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(acc) & (acc != 0), y, acc)
 
 
-def wider_reason(primitive: Any, params: dict, lhs_shape: tuple, rhs_shape: tuple) -> str | None:
-  """The key in `REASONS` of why this matmul stays in the compute dtype, or None: it runs in float8."""
+def wider_reason(
+    primitive: Any, params: dict, lhs_shape: tuple, rhs_shape: tuple, min_intensity: float | None = None
+) -> str | None:
+  """The key in `REASONS` of why this matmul stays in the compute dtype, or None: it runs in float8.
+
+  ``min_intensity``: the policy's (None: `MIN_INTENSITY`).
+  """
   if primitive.name == "dot_general":
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params["dimension_numbers"]
     contracted = _prod(lhs_shape[d] for d in lhs_contract)
@@ -186,12 +197,25 @@ def wider_reason(primitive: Any, params: dict, lhs_shape: tuple, rhs_shape: tupl
     contracted, kept = _prod(rhs_shape[d] for d in spec[1:]), [rhs_shape[spec[0]]]
   if min(contracted, *kept) < _SMALL:
     return "small"
-  operands = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in (lhs_shape, rhs_shape)]
-  out = _prod(jax.eval_shape(functools.partial(_bind, primitive, params), *operands).shape)
-  rule = MIN_INTENSITY * (1 if primitive.name == "dot_general" else _CONV_FACTOR)
-  if out * contracted < rule * (_prod(lhs_shape) + _prod(rhs_shape) + out):
+  rule = (MIN_INTENSITY if min_intensity is None else min_intensity) * (
+      1 if primitive.name == "dot_general" else _CONV_FACTOR)
+  if intensity(primitive, params, lhs_shape, rhs_shape)[1] < rule:
     return "intensity"
   return None
+
+
+def intensity(primitive: Any, params: dict, lhs_shape: tuple, rhs_shape: tuple) -> tuple[int, float]:
+  """``(multiply-adds, arithmetic intensity)`` of a matmul: the intensity is its multiply-adds per element
+  read or written, ``M*K*N / (M*K + K*N + M*N)`` for an [M,K] x [K,N] product."""
+  operands = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in (lhs_shape, rhs_shape)]
+  out_shape = jax.eval_shape(functools.partial(_bind, primitive, params), *operands).shape
+  if primitive.name == "dot_general":
+    contracted = _prod(lhs_shape[d] for d in params["dimension_numbers"][0][0])
+  else:
+    spec = params["dimension_numbers"].rhs_spec
+    contracted = _prod(rhs_shape[d] for d in spec[1:])
+  out = _prod(out_shape)
+  return out * contracted, out * contracted / (_prod(lhs_shape) + _prod(rhs_shape) + out)
 
 
 def _prod(sizes) -> int:
@@ -199,7 +223,8 @@ def _prod(sizes) -> int:
 
 
 def matmul(
-    primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute_dtype: Any, inputs=(True, True)
+    primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute_dtype: Any, inputs=(True, True),
+    min_intensity: float | None = None,
 ) -> jax.Array:
   """``primitive`` (``dot_general`` or ``conv_general_dilated``) of ``lhs`` and ``rhs``, as a scaled float8 matmul.
 
@@ -210,8 +235,9 @@ def matmul(
   then cast to its dtype where its consumer reads it. A matmul that
   `wider_reason` keeps wider runs in ``compute_dtype`` inside a ``jit`` named after the reason,
   so that `precision_report` can say why.
+  ``min_intensity``: the policy's (see `wider_reason`).
   """
-  reason = wider_reason(primitive, params, lhs.shape, rhs.shape)
+  reason = wider_reason(primitive, params, lhs.shape, rhs.shape, min_intensity)
   if reason is not None:
     wide = functools.partial(_bind, primitive, dict(params, preferred_element_type=np.dtype(compute_dtype)))
     return _marked(wide, reason)(lhs.astype(compute_dtype), rhs.astype(compute_dtype))
@@ -241,6 +267,41 @@ def warn_not_float8(name: str) -> None:
       "runs in the dtypes the program gives it, and `precision_report` counts it there. Write it as "
       "`jax.lax.dot_general` to have it in float8, or wrap it in `jaxscale.autocast(g, 'mixed_bfloat16')` "
       "to keep it in bfloat16 and silence this warning.",
+      stacklevel=2,
+  )
+
+
+def warn_no_float8(matmuls, policy: Any, name: str) -> None:
+  """The trace-time warning for a function under a float8 policy none of whose matmuls runs in float8.
+
+  ``matmuls``: ``(primitive, params, lhs_shape, rhs_shape)`` of each matmul the policy met (their
+  reasons are found here, and only until one runs in float8: the common case costs one).
+  """
+  reasons = []
+  for matmul in matmuls:
+    reason = wider_reason(*matmul, policy.min_intensity)
+    if reason is None:
+      return
+    reasons.append(reason)
+  if not matmuls:
+    return
+  sizes = [intensity(*m) for m in matmuls]
+  i = max(range(len(matmuls)), key=lambda i: sizes[i][0])
+  (macs, largest_intensity), (primitive, _, lhs_shape, rhs_shape) = sizes[i], matmuls[i]
+  why = {
+      "intensity": f"below the policy's min_intensity of {policy.min_intensity:g}" + (
+          "" if primitive.name == "dot_general" else f" times {_CONV_FACTOR} for a convolution"),
+      "small": f"and a dimension below {_SMALL}, a float8 tensor core's tile",
+  }[reasons[i]]
+  counts = ", ".join(f"{n} for {r!r}" for r, n in sorted(collections.Counter(reasons).items()))
+  warnings.warn(
+      f"`jaxscale.autocast` of {name} with the float8 policy '{policy}' runs none of its "
+      f"{len(matmuls)} matmuls in float8 ({counts}): its program is 'mixed_bfloat16''s. The largest, "
+      f"`{primitive.name}` of {list(lhs_shape)} and {list(rhs_shape)} ({2 * macs:.3g} FLOPs), has an "
+      f"arithmetic intensity of {largest_intensity:.0f} multiply-adds per element read or written, {why} "
+      f"(`precision_report` lists every reason). On a GPU whose float8 pays at a lower intensity than an "
+      "H100's 512, or to study float8's numerics, lower the policy's `min_intensity` (e.g. "
+      "'mixed_float8,min_intensity=0'); otherwise use 'mixed_bfloat16' to say so.",
       stacklevel=2,
   )
 
@@ -367,10 +428,12 @@ def _unscaled(product, k: jax.Array, dtype: Any) -> jax.Array:
   float32 product, exact over the whole range.
   """
   factor = jnp.where(k > 126, 0.0, jnp.where(k < -126, jnp.inf, power_of_two(-jnp.clip(k, -126, 126))))
-  return lax.platform_dependent(
-      cpu=lambda: unscale(product(np.dtype(np.float32)), k).astype(dtype),
-      default=lambda: product(np.dtype(dtype)) * factor.astype(dtype),
-  )
+  # The scope names the product in the compiled program (its GEMM's `op_name`), forward and backward.
+  with jax.named_scope(SCALED):
+    return lax.platform_dependent(
+        cpu=lambda: unscale(product(np.dtype(np.float32)), k).astype(dtype),
+        default=lambda: product(np.dtype(dtype)) * factor.astype(dtype),
+    )
 
 
 def _unscaled_product(product, operands, ks, dtype: Any) -> jax.Array:
@@ -379,10 +442,12 @@ def _unscaled_product(product, operands, ks, dtype: Any) -> jax.Array:
   On a GPU, `_dequantized_product`; on a CPU, `unscale` of the float32 product, as in `_unscaled`.
   """
   (qa, qb), (ka, kb) = operands, ks
-  return lax.platform_dependent(
-      cpu=lambda: unscale(product(qa, qb, np.dtype(np.float32)), ka + kb).astype(dtype),
-      default=lambda: _dequantized_product(product, operands, ks, dtype),
-  )
+  # The scope names the product in the compiled program (its GEMM's `op_name`), forward and backward.
+  with jax.named_scope(SCALED):
+    return lax.platform_dependent(
+        cpu=lambda: unscale(product(qa, qb, np.dtype(np.float32)), ka + kb).astype(dtype),
+        default=lambda: _dequantized_product(product, operands, ks, dtype),
+    )
 
 
 def _dequantized_product(product, operands, ks, dtype: Any) -> jax.Array:

@@ -7,6 +7,9 @@ A ``Policy`` is three dtypes (jmp's names), and how autocast runs matmuls::
     output_dtype   what the computation hands back (float32: the loss, logits for metrics)
     matmul_dtype   None: matmuls in compute_dtype; float8_e4m3fn: scaled float8 matmuls
                    (``"mixed_float8"``: operands in e4m3, gradients in e5m2, docs/float8.md)
+    min_intensity  under float8 matmuls, the arithmetic intensity below which a matmul stays in
+                   compute_dtype (512, an H100's break-even, by default; 0: every matmul of 16
+                   or more in each dimension in float8)
 
 Its casts touch only the floating leaves of a pytree: integers, bools, PRNG keys and
 ``float0`` tangents keep their dtype. Loss scaling is needed for float16 compute only:
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale import _tree
+from jaxscale import _float8, _tree
 
 T = TypeVar("T")
 
@@ -36,7 +39,7 @@ _NAMES = {
 }  # fmt: skip
 _KEYS = {
     "p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output",
-    "m": "matmul", "matmul": "matmul",
+    "m": "matmul", "matmul": "matmul", "min_intensity": "min_intensity",
 }  # fmt: skip
 _PRESETS = {
     "mixed_float16": ("float32", "float16", "float32"),
@@ -62,6 +65,12 @@ class Policy:
     matmul_dtype: None (matmuls run in ``compute_dtype``), or ``float8_e4m3fn``:
       :func:`autocast` runs every matmul and convolution as a scaled float8 one
       (the ``"mixed_float8"`` preset; docs/float8.md).
+    min_intensity: with float8 matmuls, the arithmetic intensity (multiply-adds per
+      element read or written) below which a matmul stays in ``compute_dtype``, because
+      quantizing its operands would cost more than its float8 GEMM saves; three times it for a
+      convolution. Default 512, where float8 starts to pay on an H100; 0 runs every matmul
+      whose dimensions are all 16 or more in float8 (a quality study). None without float8
+      matmuls. Keyword only; ``min_intensity=`` in a policy string.
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale
@@ -76,6 +85,7 @@ class Policy:
   compute_dtype: Any
   output_dtype: Any
   matmul_dtype: Any = None
+  min_intensity: Any = dataclasses.field(default=None, kw_only=True)
 
   def __post_init__(self):
     if self.matmul_dtype is not None:
@@ -86,6 +96,7 @@ class Policy:
             f"float8 matmuls, whose gradients run in float8_e5m2), got {self.matmul_dtype!r}."
         )
       object.__setattr__(self, "matmul_dtype", _FLOAT8)
+    object.__setattr__(self, "min_intensity", _min_intensity(self.min_intensity, self.matmul_dtype))
     for field in dataclasses.fields(self)[:3]:
       value = getattr(self, field.name)
       if isinstance(value, str):  # read as `get_policy` reads it: "f16" is float16, not NumPy's float128
@@ -129,7 +140,34 @@ class Policy:
 
   def __str__(self) -> str:
     matmul = f",matmul={self.matmul_dtype.name}" if self.matmul_dtype is not None else ""
+    if self.min_intensity is not None and self.min_intensity != _float8.MIN_INTENSITY:
+      matmul += f",min_intensity={self.min_intensity:g}"
     return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}{matmul}"
+
+
+def _min_intensity(value: Any, matmul_dtype: Any) -> float | None:
+  """``Policy.min_intensity`` checked: a float >= 0 under float8 matmuls (None: the H100's default), else None."""
+  if matmul_dtype is None:
+    if value is not None:
+      raise ValueError(
+          f"`Policy.min_intensity` ({value!r}) chooses which matmuls a float8 policy keeps in the compute "
+          "dtype, and this policy has no float8 matmuls: add `matmul_dtype=jnp.float8_e4m3fn` ('matmul=f8' "
+          "in a policy string, or start from 'mixed_float8'), or leave `min_intensity` out."
+      )
+    return None
+  if value is None:
+    return float(_float8.MIN_INTENSITY)
+  try:
+    number = None if isinstance(value, (bool, np.bool_)) else float(value)
+  except (TypeError, ValueError):
+    number = None
+  if number is None or not (0 <= number < float("inf")):
+    raise ValueError(
+        f"`Policy.min_intensity` must be a finite number of multiply-adds per element, 0 or more, got "
+        f"{value!r}: 512 (the default) keeps in bfloat16 the matmuls too small for float8 to pay on an "
+        "H100, 0 runs every matmul whose dimensions are all 16 or more in float8 (docs/float8.md)."
+    )
+  return number
 
 
 def cast_floating(tree: T, dtype: Any) -> T:
@@ -172,7 +210,10 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     short ``"p=f32,c=f16,o=f32"``. As in jmp, parameters default to float32,
     compute follows parameters and output follows compute (``"c=f16"`` is
     ``p=f32,c=f16,o=f16``). ``matmul=float8`` (``m=f8``) adds float8 matmuls:
-    ``str(get_policy("mixed_float8"))`` is read back as the same policy.
+    ``min_intensity=0`` with it changes the arithmetic intensity below which a matmul
+    stays in the compute dtype (512 by default: :class:`Policy`). ``str(policy)`` is read
+    back as the same policy;
+  * a preset (or one dtype) followed by keys that change it: ``"mixed_float8,min_intensity=0"``.
 
   Dtype names: ``float32``/``f32``/``full``, ``float16``/``f16``,
   ``bfloat16``/``bf16``, ``float64``/``f64``, and ``half`` (float16, or
@@ -205,6 +246,11 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
   if not isinstance(spec, str):
     raise TypeError(f"`get_policy` takes a string or a `jaxscale.Policy`, got {type(spec).__name__}: {spec!r}.")
   text = spec.strip().lower()
+  head, _, keys = text.partition(",")
+  if keys and (head.strip() in _PRESETS or head.strip() in _NAMES):  # keys over a preset: "mixed_float8,m...=0"
+    base = get_policy(head)
+    matmul = ",m=f8" if base.matmul_dtype is not None else ""
+    text = f"p={base.param_dtype.name},c={base.compute_dtype.name},o={base.output_dtype.name}{matmul},{keys}"
   if text in _PRESETS:
     param, compute, output, *matmul = _PRESETS[text]
     return Policy(*(_dtype(name, spec) for name in (param, compute, output)), *matmul)
@@ -223,17 +269,25 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     if key not in _KEYS:
       raise ValueError(
           f"Unknown key {key!r} in policy {spec!r}; the keys are 'params' ('p'), "
-          "'compute' ('c') and 'output' ('o'), as in 'params=float32,compute=float16,output=float32'."
+          "'compute' ('c') and 'output' ('o'), as in 'params=float32,compute=float16,output=float32', "
+          "and, for float8 matmuls, 'matmul' ('m') and 'min_intensity'."
       )
     if _KEYS[key] == "matmul" and value not in _FLOAT8_NAMES:
       raise ValueError(
           f"Unknown matmul dtype {value!r} in policy {spec!r}; the one there is 'float8' ('f8', "
           "'float8_e4m3fn'): scaled float8 matmuls, as in the preset 'mixed_float8'."
       )
+    if _KEYS[key] == "min_intensity":
+      chosen["min_intensity"] = value  # checked by `Policy`, whose error says what works
+      continue
     chosen[_KEYS[key]] = _FLOAT8 if _KEYS[key] == "matmul" else _dtype(value, spec)
   param = chosen.get("param", np.dtype(jnp.float32))
   compute = chosen.get("compute", param)
-  return Policy(param, compute, chosen.get("output", compute), chosen.get("matmul"))
+  matmul = chosen.get("matmul")
+  try:
+    return Policy(param, compute, chosen.get("output", compute), matmul, min_intensity=chosen.get("min_intensity"))
+  except ValueError as e:
+    raise ValueError(f"In policy {spec!r}: {e}") from None
 
 
 def _nearest(text: str, names: list[str]) -> str:

@@ -3,6 +3,7 @@
 jitted step returns reach the table and TensorBoard; every flag has a help text that shows its
 default, and the commands the usage texts give parse."""
 
+import contextlib
 import importlib
 import math
 import pathlib
@@ -178,7 +179,10 @@ PRECISIONS = {  # spec: (param dtype, compute dtype, loss scaling, how matmuls r
 def test_lm_precision_runs_any_policy_and_logs_it_to_tensorboard(spec, tmp_path, capsys):
   param_dtype, compute_dtype, scaling, matmul = PRECISIONS[spec]
   tensorboard = ["--tensorboard", str(tmp_path), "--log-every", "4"]
-  (result,) = run_example("lm", LM_TINY + ["--no-plot", "--precision", spec, *tensorboard])
+  # The tiny LM's matmuls are far below the size at which float8 pays: autocast says they run in bfloat16.
+  said = pytest.warns(UserWarning, match="runs none of its") if "float8" in matmul else contextlib.nullcontext()
+  with said:
+    (result,) = run_example("lm", LM_TINY + ["--no-plot", "--precision", spec, *tensorboard])
   out = capsys.readouterr().out
   policy = f"params={jnp.dtype(param_dtype).name},compute={jnp.dtype(compute_dtype).name},output=float32{matmul}"
   assert f"{spec}: {policy} through jaxscale.autocast, loss scaling {scaling}" in out

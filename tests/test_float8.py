@@ -2,6 +2,9 @@
 bit for bit against ml_dtypes' rounding of exact float64 products; the matmul's and its gradients'
 errors against float64 within a bound derived from the formats; scale invariance; zeros, inf, NaN."""
 
+import contextlib
+import warnings
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -30,6 +33,7 @@ ACCUMULATION_UNIT = 2.0**-24 if jax.default_backend() == "cpu" else 2.0**-14
 HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
 MATMUL = (((1,), (0,)), ((), ()))
 RULE = _float8.MIN_INTENSITY  # the arithmetic intensity below which float8 does not pay on an H100
+NONE_FLOAT8 = r"runs none of its \d+ matmuls in float8"  # the trace-time warning of a float8 function without any
 
 
 @pytest.fixture(autouse=True)
@@ -662,13 +666,15 @@ def test_a_matmul_too_small_for_float8_to_pay_stays_bfloat16_forward_and_backwar
   monkeypatch.setattr(_float8, "MIN_INTENSITY", RULE)
   cast = jaxscale.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)), "mixed_float8")
   w, x = jax.ShapeDtypeStruct((k, n), jnp.float32), jax.ShapeDtypeStruct((m, k), jnp.float32)
-  report = jaxscale.precision_report(jax.grad(cast, argnums=(0, 1)), w, x)
+  said = contextlib.nullcontext() if intensity(m, k, n) >= RULE else pytest.warns(UserWarning, match=NONE_FLOAT8)
+  with said:  # the one matmul stays bfloat16: the warning says so
+    report = jaxscale.precision_report(jax.grad(cast, argnums=(0, 1)), w, x)
   flops = 2.0 * m * k * n
   if intensity(m, k, n) >= RULE:
     assert report.matmul_flops == {"float8_e4m3fn": flops, "float8_e5m2": 2 * flops} and not report.kept_wider
   else:
     assert report.matmul_flops == {"bfloat16": 3 * flops} and report.kept_wider == {"intensity": 3 * flops}
-    assert "(intensity): fewer than 512 multiply-adds per element" in str(report)
+    assert "(intensity): fewer multiply-adds per element it reads or writes" in str(report)
 
 
 def test_the_rule_keeps_a_batched_attention_product_wider_and_the_projections_float8(monkeypatch):
@@ -698,13 +704,123 @@ def test_a_convolution_needs_three_times_the_intensity(channels, float8, monkeyp
 
   w = jax.ShapeDtypeStruct((3, 3, channels, channels), jnp.float32)
   x = jax.ShapeDtypeStruct((32, 28, 28, channels), jnp.float32)
-  report = jaxscale.precision_report(jax.grad(jaxscale.autocast(f, "mixed_float8"), argnums=(0, 1)), w, x)
+  with contextlib.nullcontext() if float8 else pytest.warns(UserWarning, match=NONE_FLOAT8):
+    report = jaxscale.precision_report(jax.grad(jaxscale.autocast(f, "mixed_float8"), argnums=(0, 1)), w, x)
   flops = 2.0 * 32 * 28 * 28 * channels * 9 * channels
   if float8:  # the backward's two products in bfloat16, on the float8 values
     assert report.matmul_flops == {"float8_e4m3fn": flops, "bfloat16": 2 * flops}
     assert report.kept_wider == {"conv_backward": 2 * flops}
   else:
     assert report.matmul_flops == {"bfloat16": 3 * flops} and report.kept_wider == {"intensity": 3 * flops}
+
+
+# --- the size rule's threshold, a setting; a float8 function with no float8 matmul says so ------------
+
+
+def test_min_intensity_is_the_h100s_512_by_default_and_a_key_of_the_policy_string(monkeypatch):
+  monkeypatch.setattr(_float8, "MIN_INTENSITY", RULE)
+  preset = jaxscale.get_policy("mixed_float8")
+  assert preset.min_intensity == 512.0 and "min_intensity" not in str(preset)
+  policy = jaxscale.get_policy("p=f32,c=bf16,o=f32,m=f8,min_intensity=64")
+  assert policy.min_intensity == 64.0 and str(policy).endswith(",matmul=float8_e4m3fn,min_intensity=64")
+  assert jaxscale.get_policy(str(policy)) == policy
+  built = jaxscale.Policy(jnp.float32, jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, min_intensity=64)
+  assert built == policy and hash(built) == hash(policy)
+  assert jaxscale.get_policy("mixed_bfloat16").min_intensity is None
+
+
+@pytest.mark.parametrize("value", [-1, "abc", float("inf"), float("nan"), True, None.__class__], ids=str)
+def test_a_bad_min_intensity_is_an_error_that_says_what_works(value):
+  with pytest.raises(ValueError, match=r"0 or more, got .*512 \(the default\).* 0 runs every matmul"):
+    jaxscale.Policy(jnp.float32, jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, min_intensity=value)
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("p=f32,c=bf16,o=f32,m=f8,min_intensity=-1", r"In policy .*min_intensity=-1.*0 or more"),
+    ("p=f32,c=bf16,o=f32,m=f8,min_intensity=fast", r"In policy .*0 or more, got 'fast'"),
+    ("p=f32,c=bf16,o=f32,min_intensity=0", r"no float8 matmuls: add .*'matmul=f8'"),
+])
+def test_a_bad_min_intensity_in_a_policy_string_names_the_string(spec, said):
+  with pytest.raises(ValueError, match=said):
+    jaxscale.get_policy(spec)
+
+
+def test_a_threshold_without_float8_matmuls_is_an_error():
+  with pytest.raises(ValueError, match="this policy has no float8 matmuls"):
+    jaxscale.Policy(jnp.float32, jnp.bfloat16, jnp.float32, min_intensity=0)
+
+
+def float8_at(min_intensity):
+  return f"p=f32,c=bf16,o=f32,m=f8,min_intensity={min_intensity}"
+
+
+@pytest.mark.parametrize("threshold, float8", [(0, True), (455, True), (456, False), (512, False)])
+def test_the_policys_threshold_decides_each_matmul(threshold, float8):
+  """4096 x 1024 x 1024 has intensity 455.1 (`intensity`, exact): float8 at a threshold up to 455, not above."""
+  m, k, n = 4096, 1024, 1024
+  assert 455 < intensity(m, k, n) < 456
+  cast = jaxscale.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)), float8_at(threshold))
+  w, x = jax.ShapeDtypeStruct((k, n), jnp.float32), jax.ShapeDtypeStruct((m, k), jnp.float32)
+  with contextlib.nullcontext() if float8 else pytest.warns(UserWarning, match=NONE_FLOAT8):
+    report = jaxscale.precision_report(jax.grad(cast, argnums=(0, 1)), w, x)
+  flops = 2.0 * m * k * n
+  expected = {"float8_e4m3fn": flops, "float8_e5m2": 2 * flops} if float8 else {"bfloat16": 3 * flops}
+  assert report.matmul_flops == expected
+
+
+@pytest.mark.parametrize("threshold, float8", [(367, True), (368, False)])
+def test_a_convolution_needs_three_times_the_policys_threshold(threshold, float8):
+  """A SAME, stride-1 3x3 convolution of 256 channels at 28x28, batch 32: input and output the same size,
+  so its intensity is out * 9C / (2 out + 9 C**2) = 1101.4, between 3 x 367 and 3 x 368."""
+  c, out = 256, 32 * 28 * 28 * 256
+  conv_intensity = out * 9 * c / (2 * out + 9 * c * c)
+  assert 3 * 367 < conv_intensity < 3 * 368
+
+  def f(w, x):
+    return jnp.sum(lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+
+  w, x = jax.ShapeDtypeStruct((3, 3, c, c), jnp.float32), jax.ShapeDtypeStruct((32, 28, 28, c), jnp.float32)
+  with contextlib.nullcontext() if float8 else pytest.warns(UserWarning, match=NONE_FLOAT8):
+    report = jaxscale.precision_report(jax.grad(jaxscale.autocast(f, float8_at(threshold)), argnums=(0, 1)), w, x)
+  assert set(report.kept_wider) == ({"conv_backward"} if float8 else {"intensity"})
+
+
+def two_small_matmuls(w1, w2, x):
+  return jnp.sum(jnp.tanh(x @ w1) @ w2)
+
+
+SMALL = {"w1": (128, 32), "w2": (32, 16), "x": (64, 128)}
+
+
+def test_a_float8_function_with_no_float8_matmul_names_the_largest_product_and_its_intensity():
+  w1, w2, x = (jnp.ones(SMALL[k]) for k in ("w1", "w2", "x"))
+  with pytest.warns(UserWarning, match=NONE_FLOAT8) as said:
+    jax.grad(jaxscale.autocast(two_small_matmuls, float8_at(512)))(w1, w2, x)
+  (warning,) = said
+  message = str(warning.message)
+  assert "`two_small_matmuls` (test_float8.py:" in message and "runs none of its 2 matmuls in float8" in message
+  # The largest product is x @ w1, [64,128] x [128,32]: intensity 64*128*32 / (64*128 + 128*32 + 64*32).
+  assert "`dot_general` of [64, 128] and [128, 32]" in message
+  assert f"intensity of {intensity(64, 128, 32):.0f} multiply-adds" in message and "min_intensity of 512" in message
+  assert "'mixed_bfloat16'" in message and "min_intensity=0" in message
+
+
+def test_the_warning_comes_once_per_trace_not_per_call():
+  step = jax.jit(jax.grad(jaxscale.autocast(two_small_matmuls, float8_at(512))))
+  with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")  # not Python's once-per-line: every warning JAX's tracing raises
+    for _ in range(3):
+      step(*(jnp.ones(SMALL[k]) for k in ("w1", "w2", "x")))
+    assert len(said) == 1
+    step(jnp.ones((128, 32)), jnp.ones((32, 16)), jnp.ones((32, 128)))  # a new shape: traced again
+    assert len(said) == 2
+
+
+@pytest.mark.parametrize("policy", [float8_at(0), "mixed_bfloat16"])
+def test_no_warning_where_a_matmul_runs_in_float8_or_none_was_asked_for(policy):
+  """pytest turns any warning into an error here (pyproject.toml)."""
+  w1, w2, x = (jnp.ones(SMALL[k]) for k in ("w1", "w2", "x"))
+  jax.jit(jax.grad(jaxscale.autocast(two_small_matmuls, policy)))(w1, w2, x)
 
 
 # --- second order: refused by name, never zero ----------------------------------------------------

@@ -175,3 +175,13 @@ def test_a_misspelt_preset_is_named_a_policy_and_the_nearest_name_suggested(typo
   with pytest.raises(ValueError) as error:
     jaxscale.get_policy("zzz")
   assert "Did you mean" not in str(error.value)
+
+
+@pytest.mark.parametrize("spec, same_as", [
+    ("mixed_float8,min_intensity=0", "p=f32,c=bf16,o=f32,m=f8,min_intensity=0"),
+    ("Mixed_Float8, min_intensity = 100", "params=float32,compute=bfloat16,output=float32,matmul=f8,min_intensity=100"),
+    ("mixed_bfloat16,c=f16", "p=f32,c=f16,o=f32"),
+    ("float32,o=bf16", "p=f32,c=f32,o=bf16"),
+])
+def test_a_preset_followed_by_keys_is_the_preset_changed_by_them(spec, same_as):
+  assert jaxscale.get_policy(spec) == jaxscale.get_policy(same_as)
