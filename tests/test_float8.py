@@ -412,6 +412,8 @@ def assert_float8(fun, *args, wider=()):
   found = list(matmuls(jax.make_jaxpr(jax.grad(fun))(*args).jaxpr))
   kinds = set()
   for dtypes, reason in found:
+    if reason == "tpu":  # each float8 matmul's bfloat16 alternative, lowered on a TPU only
+      continue
     if reason is not None:
       assert reason in wider, (dtypes, reason)
       kinds.add(reason)
