@@ -23,8 +23,8 @@ Per TPU program (`--target tpu-v5e`, `tpu-v5p`, `tpu-v6e`):
 
     kernels   the ENTRY computation's fusions, convolutions, copies in HBM (`copy`, `copy-start`),
               custom calls but ConcatBitcast (it joins slices already in VMEM) and unfused ops on
-              arrays; not the scalar ops between them (the scalar unit's) nor the DMAs that bring
-              operands into VMEM (`slice-start`, a `copy-start` into VMEM)
+              arrays; not the unfused scalar ops between them (the scalar unit's) nor the DMAs that
+              bring operands into VMEM (`slice-start`, a `copy-start` into VMEM)
     copies    the HBM copies among them
     bytes     XLA:TPU's own figure: its cost analysis' "bytes accessed", summed over the program
     peak      as above, from XLA:TPU's memory analysis
@@ -284,7 +284,8 @@ def read_tpu_program(compiled, chip: Tpu) -> Program:
   shapes = {}
   for m in comps["ENTRY"]:
     shapes[m["name"]] = m["shape"]
-    scalar = re.match(r"\w+\[\]", m["shape"]) is not None  # the scalar unit's, between kernels
+    # An unfused op on a scalar is the scalar unit's work, between kernels (a reduction to one is a fusion).
+    scalar = m["op"] != "fusion" and re.match(r"\w+\[\]", m["shape"]) is not None
     prefetch = m["op"] == "copy-start" and "S(1)" in m["shape"].split("}")[0]  # a DMA into VMEM
     if m["op"] in TPU_NO_KERNEL or scalar or prefetch or 'custom_call_target="ConcatBitcast"' in m["attributes"]:
       continue
@@ -453,6 +454,8 @@ TABLES = {
                        "transformer block fwd+bwd, d 1024, seq 1024, batch 4": float8_table(1024, 1024),
                        "conv net fwd+bwd, 4 x 3x3x128, 32x32, batch 64": conv_table()},
     # Not in the default run: the TPU program's budgets (benchmarks/test_tpu_program.py), compiled in seconds.
+    "adam": lambda: {"Adam step, 32M params / 48 leaves": _bench_rows(
+        bench.optimizer_builders("adam", 32_000_000, 48, ["plain", "jaxscale"]))},
     "mlp": lambda: {"MLP fwd+bwd, d 1024, 4096 tokens": mlp_table()},
     # What the compiler does with a float16 matmul, against bfloat16 (a TPU's question more than a GPU's).
     "float16": lambda: {"transformer block fwd+bwd, d 1024, seq 1024, batch 4, float16": float8_table(
