@@ -32,19 +32,19 @@ Per TPU program (`--target tpu-v5e`, `tpu-v5p`, `tpu-v6e`):
               with XLA's FLOPs, at the datasheet figures (no derating, no launch cost)
     compile   wall seconds of trace + lower + compile (every target; the H100 tables leave it out)
 
-The per-chip figures, from Google's Cloud TPU pages (docs.cloud.google.com/tpu/docs/v5e, .../v5p,
-.../v6e, read 2026-11-28): bfloat16 / int8 peaks and HBM bandwidth, v5e 197 / 393 TOPS and
-819 GB/s, v5p 459 / 918 and 2765 GB/s (v5p's page gives float8 at bfloat16's 459; int8 from
-Google's v5p announcement), v6e 918 / 1836 and 1640 GB/s. The TPU model's limits: XLA's bytes count
-each operand of each HLO op once per use, so they are its cost model's traffic, not a measurement
-(VMEM reuse inside a fusion is credited as XLA credits it); the program-wide roofline assumes that
-compute and memory overlap perfectly, so it is a lower bound; int8 peaks are listed, never used
-(no table has int8 matmuls); the 1x1 topologies are one chip (v5p's two TensorCores as one device).
+The per-chip figures (bfloat16 / int8 peaks, HBM bandwidth) are Google's Cloud TPU pages'
+(docs.cloud.google.com/tpu/docs/v5e, /v5p-training, /v6e; read 2026-11-28): v5e 197 / 393 TOPS and
+819 GB/s, v5p 459 and 2765 GB/s (its page gives float8 at bfloat16's 459 and no int8; 918 is the
+figure quoted elsewhere), v6e 918 / 1836 and 1640 GB/s. The TPU model's limits: the bytes are
+XLA's cost model's traffic, not a measurement (what it credits to VMEM reuse, we cannot check);
+the program-wide roofline assumes that compute and memory overlap perfectly, so it is a lower
+bound; int8 peaks are listed, never used (no table has int8 matmuls); the 1x1 topologies are one
+chip (v5p's two TensorCores as one device).
 
     python benchmarks/gpu_program.py                  # the scaler, sixteen-bit and float8 tables
     python benchmarks/gpu_program.py scaler mlp       # some of them (see --help)
     python benchmarks/gpu_program.py --write-docs     # and regenerate docs/performance.md's tables
-    python benchmarks/gpu_program.py --target tpu-v5e scaler float8   # the TPU v5e program
+    python benchmarks/gpu_program.py --target tpu-v5e adam mlp float8   # TPU v5e programs
 
 The H100 needs the CUDA plugin at jax's version, which compiles for the GPU without one:
 `pip install -e ".[gpu-program]"`, in an environment of its own (with it, a CPU-only JAX warns
@@ -269,8 +269,7 @@ def peak_bytes(compiled) -> int:
              + memory.temp_size_in_bytes)
 
 
-# Not a kernel on a TPU: the DMAs that bring an operand into VMEM, and the custom call that joins
-# slices already there.
+# Not a kernel on a TPU: the DMAs that bring an operand into VMEM, and the second halves of async pairs.
 TPU_NO_KERNEL = NO_KERNEL | {"slice-start", "slice-done", "copy-done"}
 
 
