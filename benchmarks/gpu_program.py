@@ -161,9 +161,11 @@ def sharding(target: str = "h100"):
 
     topology = topologies.get_topology_desc(topology_name=TPUS[target].topology, platform="tpu")
   except Exception as e:  # libtpu's absence shows as several error types across jax releases
+    # libtpu also refuses while another process holds it (its lock file, /tmp/libtpu_lockfile).
+    cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
     raise RuntimeError(
-        f"compiling for a TPU needs libtpu at jax's version ({jax.__version__}): "
-        "`pip install -e \".[tpu-program]\"` (Python 3.12 or newer)") from e
+        f"compiling for a TPU needs libtpu at jax's version ({jax.__version__}), free of other processes: "
+        f"`pip install -e \".[tpu-program]\"` (Python 3.12 or newer); it said: {cause}") from e
   return jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec())
 
 

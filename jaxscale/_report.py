@@ -57,7 +57,7 @@ class PrecisionReport:
     op_counts: dtype name -> how many operations with a floating result (matmuls,
       elementwise operations, reductions, ...) have it in that dtype.
     kept_wider: under a float8 policy, reason -> FLOPs of the matmuls kept in a wider
-      dtype for it (``"small"``, ``"intensity"``, ``"conv_backward"``: ``str()`` says each in full).
+      dtype for it (``"small"``, ``"intensity"``, ``"conv_backward"``, ``"tpu"``: ``str()`` says each in full).
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale
