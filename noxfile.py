@@ -143,6 +143,17 @@ def gpu_program(session):
   session.run("python", "-m", "pytest", "-q", "-p", "no:xdist", *tests, env=env)
 
 
+@nox.session(name="tpu-program", python="3.12")
+def tpu_program(session):
+  """The TPU v5e, v5p and v6e programs of the headline steps against their budgets (benchmarks/test_tpu_program.py).
+
+  Python 3.12: the libtpu that jax's `tpu` extra pins for the newest JAX has no wheel for 3.11.
+  """
+  session.install("-e", ".[tpu-program]")
+  tests = session.posargs or ["benchmarks/test_tpu_program.py"]
+  session.run("python", "-m", "pytest", "-q", "-p", "no:xdist", *tests)
+
+
 def _name(requirement):
   for separator in "<>=!~[; ":
     requirement = requirement.split(separator)[0]

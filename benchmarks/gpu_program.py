@@ -1,8 +1,9 @@
-"""What a training step costs on an H100, read from the program XLA:GPU compiles for it, without a GPU.
+"""What a training step costs on an H100 or a TPU, read from the program XLA compiles for it, without one.
 
 jaxscale's performance instrument. Each configuration is traced on shapes only, compiled ahead of
-time for an H100 (sm_90) by the real XLA:GPU pipeline (deviceless, through
-`jax.experimental.topologies`), and its optimized HLO read. Nothing runs. Per program:
+time for the target (`--target`: an H100, sm_90, by the real XLA:GPU pipeline; or one chip of a TPU
+v5e, v5p or v6e by XLA:TPU, libtpu's compiler), deviceless through `jax.experimental.topologies`,
+and its optimized HLO read. Nothing runs. Per H100 program:
 
     kernels   launches in the ENTRY computation (fusions, library calls, copies, unfused ops)
     HBM       bytes each kernel reads and writes (its operands and outputs), summed
@@ -18,14 +19,39 @@ tensors), autotuning is skipped (XLA picks its default GEMM configurations), the
 constant, a kernel's bytes count whole operands even where it reads a slice, and cuDNN convolutions
 are charged their bytes only (no FLOPs), so a convolution's estimate is a lower bound.
 
+Per TPU program (`--target tpu-v5e`, `tpu-v5p`, `tpu-v6e`):
+
+    kernels   the ENTRY computation's fusions, convolutions, copies in HBM (`copy`, `copy-start`),
+              custom calls but ConcatBitcast (it joins slices already in VMEM) and unfused ops on
+              arrays; not the unfused scalar ops between them (the scalar unit's) nor the DMAs that
+              bring operands into VMEM (`slice-start`, a `copy-start` into VMEM)
+    copies    the HBM copies among them
+    bytes     XLA:TPU's own figure: its cost analysis' "bytes accessed", summed over the program
+    peak      as above, from XLA:TPU's memory analysis
+    est       a roofline for the whole program: max(bytes / HBM bandwidth, FLOPs / bfloat16 peak),
+              with XLA's FLOPs, at the datasheet figures (no derating, no launch cost)
+    compile   wall seconds of trace + lower + compile (every target; the H100 tables leave it out)
+
+The per-chip figures (bfloat16 / int8 peaks, HBM bandwidth) are Google's Cloud TPU pages'
+(docs.cloud.google.com/tpu/docs/v5e, /v5p-training, /v6e; read 2026-11-28): v5e 197 / 393 TOPS and
+819 GB/s, v5p 459 and 2765 GB/s (its page gives float8 at bfloat16's 459 and no int8; 918 is the
+figure quoted elsewhere), v6e 918 / 1836 and 1640 GB/s. The TPU model's limits: the bytes are
+XLA's cost model's traffic, not a measurement (what it credits to VMEM reuse, we cannot check);
+the program-wide roofline assumes that compute and memory overlap perfectly, so it is a lower
+bound; int8 peaks are listed, never used (no table has int8 matmuls); the 1x1 topologies are one
+chip (v5p's two TensorCores as one device).
+
     python benchmarks/gpu_program.py                  # the scaler, sixteen-bit and float8 tables
     python benchmarks/gpu_program.py scaler mlp       # some of them (see --help)
     python benchmarks/gpu_program.py models           # real models' training steps (benchmarks/models.py)
     python benchmarks/gpu_program.py --write-docs     # and regenerate docs/performance.md's tables
+    python benchmarks/gpu_program.py --target tpu-v5e adam mlp float8   # TPU v5e programs
 
-Needs the CUDA plugin at jax's version, which compiles for the GPU without one:
+The H100 needs the CUDA plugin at jax's version, which compiles for the GPU without one:
 `pip install -e ".[gpu-program]"`, in an environment of its own (with it, a CPU-only JAX warns
-when it starts).
+when it starts); a TPU needs libtpu at jax's version: `pip install -e ".[tpu-program]"` (Python
+3.12 or newer: libtpu's wheels for jax 0.12 are built for them). libtpu prints warnings about the
+TPU's accelerator type and worker hostnames when it starts, with no TPU: harmless.
 """
 
 from __future__ import annotations
@@ -38,6 +64,7 @@ import math
 import os
 import re
 import sys
+import time
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver here: nothing runs
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")  # nor any device to find
@@ -99,10 +126,56 @@ def h100():
 
 def compile_for_h100(step, *args, donate=(0, 1)):
   """The compiled H100 executable of `jax.jit(step)` on the shapes of `args`."""
-  target = h100()
+  return compile_for("h100", step, *args, donate=donate)
+
+
+# ---------------------------------------------------------------- compiling for a TPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Tpu:
+  """One chip of a TPU generation: libtpu's name for its topology and its datasheet figures (module docstring)."""
+
+  topology: str
+  bf16_flops: float
+  int8_ops: float
+  hbm_bytes_per_s: float
+
+
+TPUS = {
+    "tpu-v5e": Tpu("v5e:1x1", 197e12, 393e12, 819e9),
+    "tpu-v5p": Tpu("v5p:1x1x1", 459e12, 918e12, 2765e9),
+    "tpu-v6e": Tpu("v6e:1x1", 918e12, 1836e12, 1640e9),
+}
+TARGETS = ("h100", *TPUS)
+
+
+@functools.cache
+def sharding(target: str = "h100"):
+  """A sharding on one deviceless chip of `target`, or an error that says what to install."""
+  if target == "h100":
+    return h100()
+  if target not in TPUS:
+    raise ValueError(f"unknown target {target!r}: choose among {', '.join(TARGETS)}")
+  try:
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(topology_name=TPUS[target].topology, platform="tpu")
+  except Exception as e:  # libtpu's absence shows as several error types across jax releases
+    # libtpu also refuses while another process holds it (its lock file, /tmp/libtpu_lockfile).
+    cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    raise RuntimeError(
+        f"compiling for a TPU needs libtpu at jax's version ({jax.__version__}), free of other processes: "
+        f"`pip install -e \".[tpu-program]\"` (Python 3.12 or newer); it said: {cause}") from e
+  return jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec())
+
+
+def compile_for(target: str, step, *args, donate=(0, 1)):
+  """The compiled executable of `jax.jit(step)` for `target` (`TARGETS`) on the shapes of `args`."""
+  place = sharding(target)
   # Python scalars in a state (a peer's options) are traced as JAX would: weakly typed 32-bit arrays.
   dtype = lambda x: x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype(x), sharding=target), args)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype(x), sharding=place), args)
   return jax.jit(step, donate_argnums=donate).trace(*shapes).lower().compile()
 
 
@@ -120,6 +193,7 @@ class Program:
   gemms: int
   peak_bytes: int
   estimate_s: float
+  compile_s: float = 0.0
 
   def ratios(self, base: Program) -> dict:
     return {"kernels": self.kernels / base.kernels, "hbm": self.hbm_bytes / base.hbm_bytes,
@@ -189,10 +263,47 @@ def read_program(compiled) -> Program:
       fp8, dtype = fp8 + 1, "f8e4m3fn"
     gemms += flops > 0
     estimate += max(nbytes / HBM_BYTES_PER_S, flops / TENSOR_FLOPS.get(dtype, TENSOR_FLOPS["f32"])) + LAUNCH_S
+  return Program(kernels, moved, copies, fp8, gemms, peak_bytes(compiled), estimate)
+
+
+def peak_bytes(compiled) -> int:
   memory = compiled.memory_analysis()
-  peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-          + memory.temp_size_in_bytes)
-  return Program(kernels, moved, copies, fp8, gemms, int(peak), estimate)
+  return int(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+             + memory.temp_size_in_bytes)
+
+
+# Not a kernel on a TPU: the DMAs that bring an operand into VMEM, and the second halves of async pairs.
+TPU_NO_KERNEL = NO_KERNEL | {"slice-start", "slice-done", "copy-done"}
+
+
+def read_tpu_program(compiled, chip: Tpu) -> Program:
+  """The kernels, copies, matmuls and peak of a compiled TPU executable, and XLA:TPU's bytes accessed.
+
+  `fp8_gemms` counts the matmuls (convolutions, as XLA:TPU writes every dot) fed a float8 operand.
+  """
+  comps = computations(compiled.as_text())
+  kernels, copies, gemms, fp8 = 0, 0, 0, 0
+  shapes = {}
+  for m in comps["ENTRY"]:
+    shapes[m["name"]] = m["shape"]
+    # An unfused op on a scalar is the scalar unit's work, between kernels (a reduction to one is a fusion).
+    scalar = m["op"] != "fusion" and re.match(r"\w+\[\]", m["shape"]) is not None
+    prefetch = m["op"] == "copy-start" and "S(1)" in m["shape"].split("}")[0]  # a DMA into VMEM
+    if m["op"] in TPU_NO_KERNEL or scalar or prefetch or 'custom_call_target="ConcatBitcast"' in m["attributes"]:
+      continue
+    kernels += 1
+    copies += m["op"] in ("copy", "copy-start")
+    called = re.search(r"calls=%([\w.\-]+)", m["attributes"])
+    body = comps.get(called[1], []) if called else [m]
+    for conv in (i for i in body if i["op"] in ("convolution", "dot")):
+      gemms += 1
+      body_shapes = {i["name"]: i["shape"] for i in body}
+      fp8 += any(body_shapes.get(o, shapes.get(o, "")).startswith("f8") for o in operand_names(conv))
+  cost = compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, list) else cost  # a list of one dict before jax 0.4.36
+  moved, flops = float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0))
+  estimate = max(moved / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
+  return Program(kernels, int(moved), copies, fp8, gemms, peak_bytes(compiled), estimate)
 
 
 def operand_names(instruction: re.Match) -> list[str]:
@@ -212,8 +323,13 @@ def dot_flops(body: list[re.Match]) -> float:
   return 0.0
 
 
-def measure(step, *args, donate=(0, 1)) -> Program:
-  return read_program(compile_for_h100(step, *args, donate=donate))
+def measure(step, *args, donate=(0, 1), target="h100") -> Program:
+  """The program of `step` compiled for `target`, with the wall time of its trace, lowering and compilation."""
+  start = time.perf_counter()
+  compiled = compile_for(target, step, *args, donate=donate)
+  seconds = time.perf_counter() - start
+  program = read_program(compiled) if target == "h100" else read_tpu_program(compiled, TPUS[target])
+  return dataclasses.replace(program, compile_s=seconds)
 
 
 # ---------------------------------------------------------------- the configurations
@@ -286,7 +402,7 @@ def transformer_block(params, x, *, heads):
   return x + jax.nn.gelu(rms_norm(x) @ params["up"]) @ params["down"]
 
 
-def float8_table(width=4096, seq=2048, batch=4, heads=16):
+def float8_table(width=4096, seq=2048, batch=4, heads=16, policies=("mixed_bfloat16", "mixed_float8")):
   """One transformer block's forward and backward under each policy (no optimizer)."""
   shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   params = {"qkv": shape(width, 3 * width), "out": shape(width, width), "up": shape(width, 4 * width),
@@ -298,7 +414,20 @@ def float8_table(width=4096, seq=2048, batch=4, heads=16):
     grad = jax.grad(lambda p, x: jnp.mean(jnp.square(block(p, x).astype(jnp.float32))))
     return lambda: (grad, (params, x), ())
 
-  return {"mixed_bfloat16": row("mixed_bfloat16"), "mixed_float8": row("mixed_float8")}
+  return {policy: row(policy) for policy in policies}
+
+
+def mlp_table(width=1024, tokens=4096, policies=("mixed_bfloat16", "mixed_float16", "mixed_float8")):
+  """A 4x GELU MLP's forward and backward under each policy: two matmuls that float8 takes, and little else."""
+  params = {"up": jax.ShapeDtypeStruct((width, 4 * width), jnp.float32),
+            "down": jax.ShapeDtypeStruct((4 * width, width), jnp.float32)}
+  x = jax.ShapeDtypeStruct((tokens, width), jnp.float32)
+
+  def row(policy):
+    mlp = jaxscale.autocast(lambda p, x: jax.nn.gelu(x @ p["up"]) @ p["down"], policy)
+    return lambda: (jax.grad(lambda p, x: jnp.mean(jnp.square(mlp(p, x).astype(jnp.float32)))), (params, x), ())
+
+  return {policy: row(policy) for policy in policies}
 
 
 def conv_table(batch=64, size=32, channels=128, depth=4):
@@ -354,6 +483,13 @@ TABLES = {
                        "conv net fwd+bwd, 4 x 3x3x128, 32x32, batch 64": conv_table()},
     # Not in the default run: the three steps compile in about 100 s (benchmarks/NOTES.md).
     "models": model_tables,
+    # Not in the default run: the TPU program's budgets (benchmarks/test_tpu_program.py), compiled in seconds.
+    "adam": lambda: {"Adam step, 32M params / 48 leaves": _bench_rows(
+        bench.optimizer_builders("adam", 32_000_000, 48, ["plain", "jaxscale"]))},
+    "mlp": lambda: {"MLP fwd+bwd, d 1024, 4096 tokens": mlp_table()},
+    # What the compiler does with a float16 matmul, against bfloat16 (a TPU's question more than a GPU's).
+    "float16": lambda: {"transformer block fwd+bwd, d 1024, seq 1024, batch 4, float16": float8_table(
+        1024, 1024, policies=("mixed_bfloat16", "mixed_float16"))},
 }
 
 
@@ -368,12 +504,28 @@ def _importable(module):
   return True
 
 
-def measure_table(rows) -> dict[str, Program]:
+def measure_table(rows, target="h100") -> dict[str, Program]:
   out = {}
   for name, build in rows.items():
     step, args, donate = build()
-    out[name] = measure(step, *args, donate=donate)
+    out[name] = measure(step, *args, donate=donate, target=target)
   return out
+
+
+def over_budget(program: Program, base: Program, **budget) -> list[str]:
+  """What exceeds each budget: `kernels` (at most base + n), `hbm`, `peak`, `estimate` (ratios at most),
+  `copies`, `fp8_gemms` (at most)."""
+  ratios = program.ratios(base)
+  failures = []
+  if "kernels" in budget and program.kernels > base.kernels + budget["kernels"]:
+    failures.append(f"{program.kernels} kernels > {base.kernels} + {budget['kernels']}")
+  for key in ("hbm", "peak", "estimate"):
+    if key in budget and ratios[key] > budget[key]:
+      failures.append(f"{key} {ratios[key]:.3f}x > {budget[key]}x")
+  for key in ("copies", "fp8_gemms"):
+    if key in budget and getattr(program, key) > budget[key]:
+      failures.append(f"{getattr(program, key)} {key} > {budget[key]}")
+  return failures
 
 
 # ---------------------------------------------------------------- reporting
@@ -391,9 +543,25 @@ def markdown(title, programs: dict[str, Program]) -> list[str]:
   return lines + [""]
 
 
-def write_docs(text, path):
-  """Replaces what stands between the markers in `path` (docs/performance.md) with `text`."""
+def tpu_markdown(title, programs: dict[str, Program]) -> list[str]:
+  base = next(iter(programs.values()))
+  lines = [f"**{title}**", "",
+           "| program | kernels | bytes accessed MB | x | copies | float8 matmuls | peak MB | x | roofline ms | x "
+           "| compile s |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  for name, p in programs.items():
+    r = p.ratios(base)
+    lines.append(f"| {name} | {p.kernels} | {p.hbm_bytes / 1e6:.1f} | {r['hbm']:.3f} | {p.copies} | {p.fp8_gemms} | "
+                 f"{p.peak_bytes / 1e6:.1f} | {r['peak']:.3f} | {p.estimate_s * 1e3:.3f} | {r['estimate']:.3f} | "
+                 f"{p.compile_s:.1f} |")
+  return lines + [""]
+
+
+def write_docs(text, path, target="h100"):
+  """Replaces what stands between the target's markers in `path` (docs/performance.md) with `text`."""
   begin, end = "<!-- gpu-program tables -->", "<!-- end gpu-program tables -->"
+  if target != "h100":
+    begin, end = f"<!-- {target} program tables -->", f"<!-- end {target} program tables -->"
   with open(path) as f:
     page = f.read()
   if begin not in page or end not in page:
@@ -409,28 +577,47 @@ def main(argv=None):
                       help=f"which tables: {', '.join(TABLES)} (default: {', '.join(DEFAULT_TABLES)})")
   parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
   parser.add_argument("--write-docs", action="store_true", help="write the tables into docs/performance.md")
+  parser.add_argument("--target", choices=TARGETS, default="h100", help="the chip to compile for (default: h100)")
   args = parser.parse_args(argv)
   chosen = args.tables or DEFAULT_TABLES
   if unknown := [t for t in chosen if t not in TABLES]:
     parser.error(f"unknown table {', '.join(unknown)}: choose among {', '.join(TABLES)}")
   try:
-    h100()  # before any work: say what is missing at once
+    sharding(args.target)  # before any work: say what is missing at once
   except RuntimeError as e:
     parser.exit(1, f"{parser.prog}: {e}\n")
   results = {}
   for table in chosen:
     for title, rows in TABLES[table]().items():
       print(f"compiling: {title}", file=sys.stderr, flush=True)
-      results[title] = measure_table(rows)
+      results[title] = measure_table(rows, target=args.target)
   if args.json:
     print(json.dumps({t: {n: dataclasses.asdict(p) for n, p in ps.items()} for t, ps in results.items()}, indent=1))
     return
-  header = (f"H100 (sm_90) programs, compiled without a GPU by jax {jax.__version__}'s XLA:GPU "
-            f"(`python benchmarks/gpu_program.py {' '.join(chosen)}`); x: ratio to the table's first row.")
-  text = "\n".join([header, "", *(line for t, ps in results.items() for line in markdown(t, ps))])
+  if args.target == "h100":
+    header = (f"H100 (sm_90) programs, compiled without a GPU by jax {jax.__version__}'s XLA:GPU "
+              f"(`python benchmarks/gpu_program.py {' '.join(chosen)}`); x: ratio to the table's first row.")
+    table_lines = markdown
+  else:
+    header = (f"TPU {args.target[4:]} programs (one chip, `{TPUS[args.target].topology}`), compiled without a TPU by "
+              f"jax {jax.__version__}'s XLA:TPU (libtpu {_version('libtpu')}; `python benchmarks/gpu_program.py "
+              f"--target {args.target} {' '.join(chosen)}`); bytes: XLA:TPU's cost analysis; x: ratio to the "
+              "table's first row; compile: this run's wall seconds.")
+    table_lines = tpu_markdown
+  text = "\n".join([header, "", *(line for t, ps in results.items() for line in table_lines(t, ps))])
   print(text)
   if args.write_docs:
-    write_docs(text, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "performance.md"))
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "performance.md")
+    write_docs(text, path, args.target)
+
+
+def _version(distribution):
+  from importlib import metadata
+
+  try:
+    return metadata.version(distribution)
+  except metadata.PackageNotFoundError:
+    return "?"
 
 
 if __name__ == "__main__":

@@ -7,7 +7,12 @@
         bfloat16  8.0+ (Ampere tensor cores); emulated before
     AMD GPU (ROCm, gfx architecture): float16 on every gfx9 and later;
         bfloat16 on the matrix-core parts (gfx908, gfx90a, gfx94x, gfx95x) and RDNA3+
-    TPU: bfloat16 native; float16 not fast
+    TPU, every generation (v2 to v6e, and Ironwood): bfloat16 native (the matrix units take
+        it); float16 not fast: XLA:TPU feeds a float16 matmul its float16 operands and it costs
+        what a bfloat16 one costs (same kernels, bytes and FLOPs in the compiled v5e, v5p and
+        v6e programs), so float16 buys no speed there and needs loss scaling for its narrower
+        range; float8 (v5e, v5p, v6e have no float8 matrix unit) gains nothing either, and
+        "mixed_float8" keeps its matmuls bfloat16 on every TPU: bfloat16 is the one to use
     CPU, and anything not recognised: neither (emulated, or unknown: float32 is safe)
 
 The recommendation prefers bfloat16 (no loss scaling needed), then float16 (with
@@ -72,6 +77,11 @@ def recommended_policy(device: Optional[Any] = None) -> _policy.Policy:
   float16 is fast, else ``float32``. Use it with :func:`needs_loss_scaling`:
   loss scaling is then on exactly when the policy computes in float16.
 
+  On a TPU of any generation (v2 to v6e, Ironwood) that is ``mixed_bfloat16``:
+  bfloat16 is what its matrix units take; a float16 matmul costs the same
+  there and needs loss scaling; and ``"mixed_float8"`` runs its matmuls in
+  bfloat16 on a TPU (none before Ironwood has a float8 matrix unit).
+
   Args:
     device: as for :func:`supports_float16`.
 
@@ -82,6 +92,8 @@ def recommended_policy(device: Optional[Any] = None) -> _policy.Policy:
     >>> import types, jaxscale
     >>> print(jaxscale.recommended_policy(types.SimpleNamespace(platform="gpu", compute_capability="7.5")))
     params=float32,compute=float16,output=float32
+    >>> print(jaxscale.recommended_policy(types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")))
+    params=float32,compute=bfloat16,output=float32
   """
   float16, bfloat16 = _capabilities(device)
   name = "mixed_bfloat16" if bfloat16 else "mixed_float16" if float16 else "float32"

@@ -86,6 +86,12 @@ REASONS = {
         "operands, and no float8 format holds both the e5m2 gradient and the e4m3 operand, so they "
         "multiply, exactly, in bfloat16 (which holds every float8 value)"
     ),
+    "tpu": (
+        "on a TPU: its matrix units take bfloat16 (float8 runs at bfloat16's rate, v5p's datasheet "
+        "says; v5e and v6e list no float8 at all), so a float8 matmul there gains no speed and its "
+        "quantization costs passes and relayout copies (the TPU v5e program); decided where the "
+        "program is lowered, so the same function runs in float8 on a GPU"
+    ),
 }
 _SMALL = 16
 # The default of `Policy.min_intensity`, the arithmetic intensity below which float8 does not pay on an
@@ -238,10 +244,14 @@ def matmul(
   ``min_intensity``: the policy's (see `wider_reason`).
   """
   reason = wider_reason(primitive, params, lhs.shape, rhs.shape, min_intensity)
+  wide = lambda reason: lambda lhs, rhs: _marked(
+      functools.partial(_bind, primitive, dict(params, preferred_element_type=np.dtype(compute_dtype))), reason
+  )(lhs.astype(compute_dtype), rhs.astype(compute_dtype))
   if reason is not None:
-    wide = functools.partial(_bind, primitive, dict(params, preferred_element_type=np.dtype(compute_dtype)))
-    return _marked(wide, reason)(lhs.astype(compute_dtype), rhs.astype(compute_dtype))
-  return _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype, inputs)(lhs, rhs)
+    return wide(reason)(lhs, rhs)
+  scaled = _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype, inputs)
+  # Chosen where the program is lowered (the machine that traces may not be the one that runs it).
+  return lax.platform_dependent(lhs, rhs, tpu=wide("tpu"), default=scaled)
 
 
 def warn_float8_arguments(arrays) -> None:

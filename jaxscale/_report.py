@@ -17,7 +17,9 @@ counts, at every depth of its jaxpr::
     float32_ops_in_16_bits   the operations of autocast's float32 list (exp, log, sums, ...)
                        whose operands are 16-bit, by primitive name
 
-Counts are of what runs: a scan body times its length, a ``shard_map`` / ``pmap`` body times
+Counts are of what runs on ``platform`` (default: where ``fun`` would run, the default device's):
+of a ``lax.platform_dependent`` choice, the branch lowered for it (under a float8 policy, a TPU's
+matmuls are bfloat16: ``kept_wider["tpu"]``). A scan body times its length, a ``shard_map`` / ``pmap`` body times
 the devices it runs on (it is traced at per-device shapes). Given ``jax.grad`` of a loss, the
 backward pass is in the jaxpr and is counted too. Named axes that ``fun`` uses without
 binding them (a ``BatchNorm(axis_name=...)`` meant for ``pmap``) are bound by ``axis_env``.
@@ -55,7 +57,7 @@ class PrecisionReport:
     op_counts: dtype name -> how many operations with a floating result (matmuls,
       elementwise operations, reductions, ...) have it in that dtype.
     kept_wider: under a float8 policy, reason -> FLOPs of the matmuls kept in a wider
-      dtype for it (``"small"``, ``"intensity"``, ``"conv_backward"``: ``str()`` says each in full).
+      dtype for it (``"small"``, ``"intensity"``, ``"conv_backward"``, ``"tpu"``: ``str()`` says each in full).
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale
@@ -98,7 +100,7 @@ class PrecisionReport:
 
 
 def precision_report(
-    fun: Callable, *args: Any, axis_env: Mapping[str, int] | None = None, **kwargs: Any
+    fun: Callable, *args: Any, axis_env: Mapping[str, int] | None = None, platform: str | None = None, **kwargs: Any
 ) -> PrecisionReport:
   """What ``fun(*args, **kwargs)`` computes in which dtype, without running it.
 
@@ -111,6 +113,10 @@ def precision_report(
       ``BatchNorm(axis_name=...)``) and is meant to run under ``pmap`` or ``shard_map``
       (then ``fun`` is counted once: per device). A keyword of ``precision_report``, not
       passed to ``fun``.
+    platform: the platform to report for, ``"cpu"``, ``"gpu"`` (or ``"cuda"``, ``"rocm"``) or
+      ``"tpu"``: what is chosen per platform where the program is lowered (a float8 policy's
+      matmuls are bfloat16 on a TPU) is counted as lowered there. Default: the default device's.
+      A keyword of ``precision_report``, not passed to ``fun``.
     **kwargs: its keyword arguments.
 
   Returns:
@@ -147,9 +153,10 @@ def precision_report(
     run_args, run_kwargs = jax.tree.unflatten(treedef, run_leaves)
     return fun(*run_args, **run_kwargs)
 
+  platforms = _platforms(platform)
   env = list((axis_env or {}).items())
   closed = jax.make_jaxpr(traced, axis_env=env)(*(leaves[i] for i in dynamic))
-  counts = _count(closed.jaxpr)
+  counts = _count(closed.jaxpr, platforms)
   return PrecisionReport(
       dict(counts.flops), dict(counts.sensitive), counts.while_loops, dict(counts.matmuls), dict(counts.ops),
       dict(counts.wider),
@@ -179,12 +186,37 @@ class _Counts:
     self.while_loops += other.while_loops
 
 
-def _count(jaxpr) -> _Counts:
+def _platforms(platform: str | None) -> tuple[str, ...]:
+  """The names `lax.platform_dependent` may know ``platform`` by (a GPU is "cuda" or "rocm" there)."""
+  if platform is None:
+    platform = jax.devices()[0].platform
+  names = {"cpu": ("cpu",), "tpu": ("tpu",), "gpu": ("cuda", "rocm"), "cuda": ("cuda",), "rocm": ("rocm",)}
+  if str(platform).lower() not in names:
+    raise ValueError(
+        f"`precision_report(..., platform=...)` takes one of {', '.join(map(repr, names))}; got {platform!r}."
+    )
+  return names[str(platform).lower()]
+
+
+def _lowered_branch(eqn, indices: dict, platforms: tuple[str, ...]) -> int | None:
+  """The branch of a `lax.platform_dependent` cond that is lowered on ``platforms``; None for any other cond."""
+  choices = eqn.params.get("branches_platforms")
+  if choices is None:  # a JAX that does not mark the cond: the index's own `platform_index`, when in sight
+    choices = indices.get(eqn.invars[0])
+  if choices is None:
+    return None
+  return next((i for i, names in enumerate(choices) if names is None or set(names) & set(platforms)), None)
+
+
+def _count(jaxpr, platforms: tuple[str, ...]) -> _Counts:
   counts = _Counts()
+  indices = {}  # platform_index's result -> its platforms
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     avals = [v.aval for v in eqn.invars]
-    subs = [_count(j) for j in _interpret.subjaxprs(eqn.params)]
+    if name == "platform_index":
+      indices[eqn.outvars[0]] = eqn.params["platforms"]
+    subs = [_count(j, platforms) for j in _interpret.subjaxprs(eqn.params)]
     if not subs:
       out = [v.aval for v in eqn.outvars if _interpret.floating(v.aval)]
       if out:
@@ -200,8 +232,9 @@ def _count(jaxpr) -> _Counts:
       counts.sensitive[name] += 1
     if not subs:
       continue
-    if name == "cond":  # one branch runs: the costliest
-      subs = [max(subs, key=lambda sub: sum(sub.flops.values()))]
+    if name == "cond":  # one branch runs: the one lowered for the platform, else the costliest
+      lowered = _lowered_branch(eqn, indices, platforms)
+      subs = [subs[lowered] if lowered is not None else max(subs, key=lambda sub: sum(sub.flops.values()))]
     counts.while_loops += name == "while"
     # A float8 policy's matmul kept wider sits in a jit named after the reason (under `jax.grad`
     # too, inside "jvp(...)" / "transpose(...)").

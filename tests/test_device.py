@@ -29,7 +29,10 @@ def gpu(capability, kind="NVIDIA GPU"):
         (gpu("gfx942", "AMD Instinct MI300X"), True, True, "mixed_bfloat16"),
         (gpu("gfx906", "AMD Instinct MI50"), True, False, "mixed_float16"),
         (gpu("gfx1100", "Radeon RX 7900"), True, True, "mixed_bfloat16"),
-        (types.SimpleNamespace(platform="tpu", device_kind="TPU v4"), False, True, "mixed_bfloat16"),
+        # Every TPU generation, by the device kind each reports (v5e is "v5 lite", v6e "v6 lite", Ironwood
+        # "TPU7x"): matrix units that take bfloat16 (Google's datasheets); float16 no faster, and needs scaling.
+        *[(types.SimpleNamespace(platform="tpu", device_kind=kind), False, True, "mixed_bfloat16")
+          for kind in ("TPU v2", "TPU v3", "TPU v4", "TPU v5 lite", "TPU v5", "TPU v6 lite", "TPU7x")],
         (types.SimpleNamespace(platform="cpu", device_kind="cpu"), False, False, "float32"),
         (types.SimpleNamespace(platform="METAL"), False, False, "float32"),  # unknown: conservative
     ],
