@@ -11,7 +11,8 @@ or its ``as_text()``) and counts, in every computation of the module::
               in `precision_report`); a Triton GEMM's are those of the `dot` it fuses
     float8    a GEMM that takes float8 operands: cuBLASLt's `$f8` calls, Triton GEMMs fed float8
     asked     a GEMM of a scaled float8 product of `autocast` (its ``op_name`` metadata holds
-              the name scope `_float8.SCALED`, forward and backward)
+              the name scope `_float8.SCALED`, forward and backward), or a float8 GEMM with no
+              ``op_name`` at all (XLA drops the metadata of some GEMMs it rewrites)
 
 An instruction in a loop body counts once: the counts are of the program's text, not of its runs.
 """
@@ -135,7 +136,9 @@ def compiled_report(compiled: Any) -> CompiledReport:
       is_float8 = dtype.startswith("float8")
       float8 += is_float8
       op_name = re.search(r'op_name="([^"]*)"', m["attributes"])
-      if op_name and _float8.SCALED in op_name[1]:
+      # A float8 GEMM whose metadata XLA dropped (seen where it rewrote the weight gradient of a tied
+      # embedding) can only have come from a scaled float8 product: it counts as asked.
+      if (op_name and _float8.SCALED in op_name[1]) or (is_float8 and not op_name):
         asked += 1
         if not is_float8:
           not_float8.append(f"{op_name[1]} ({dtype})")
