@@ -927,7 +927,7 @@ def _library_dirs() -> tuple[tuple[str, ...], str]:
   """The folders of the libraries whose frames are not the user's (found, not imported), and
   Python's own library (whose folder holds the installed packages in some environments)."""
   dirs = []
-  for name in ("jax", "jaxlib", "jaxscale", "flax", "equinox"):
+  for name in ("jax", "jaxlib", "jaxscale", "flax", "equinox", "optax"):
     spec = importlib.util.find_spec(name)
     dirs.extend((spec.submodule_search_locations or ()) if spec is not None else ())
   folder = lambda d: os.path.join(os.path.realpath(d), "")
