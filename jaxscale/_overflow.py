@@ -15,8 +15,9 @@ came from::
                 the inf of a constant (a mask's -inf) is the operation's too
     given       a non-finite argument is where its inf or NaN comes from, whatever the
                 operations after it make of it (inf * 0 = NaN in a backward matmul included)
-    reported    each non-finite value carries the earliest place it came from (arguments
-                first, then operations in the order they ran, constants last); the report
+    reported    each non-finite value carries the place it came from: the earliest operation
+                that made one of its inputs' or its own, else an argument, else a constant
+                (an operation's own overflow comes before a mask's -inf it read); the report
                 is on the one that reaches the unscaled gradients (the step is skipped for
                 it), else the loss, else the earliest operation of all
     phase       "backward" for the operations that read the cotangent (the seed and all that
@@ -503,6 +504,7 @@ class _Run:
   needed: set = dataclasses.field(default_factory=set)  # the operations any output needs
   differentiates: dict = dataclasses.field(default_factory=dict)  # var -> (position, forward primitive)
   position: int = 0
+  given: int = 0  # how many of `made` are arguments
   constants: dict = dataclasses.field(default_factory=dict)  # id(array) -> origin
 
   def find_factors(self, jaxpr) -> None:
@@ -514,14 +516,16 @@ class _Run:
   def arguments(self, inputs, names) -> list:
     """The origins of the program's inputs: a report for each non-finite argument."""
     origins = []
-    censuses = _Census.each([x if _interpret.floating(np.asarray(x)) else np.float32(0) for x in inputs])
-    for census, x, name in zip(censuses, inputs, [*names, "seed"]):
+    dtypes = [np.dtype(jnp.result_type(x)) for x in inputs]
+    censuses = _Census.each([x if jnp.issubdtype(d, jnp.floating) else np.float32(0) for x, d in zip(inputs, dtypes)])
+    for census, dtype, name in zip(censuses, dtypes, [*names, "seed"]):
       if census.finite:
         origins.append(None)
         continue
       origins.append(len(self.made))
-      self.made.append(OverflowReport(ARGUMENT, "forward", "", name, np.dtype(x.dtype).name, census.largest,
+      self.made.append(OverflowReport(ARGUMENT, "forward", "", name, dtype.name, census.largest,
                                       made=census.holds(), scale=self.scale))
+    self.given = len(self.made)
     return origins
 
   def report(self, origin: int) -> OverflowReport:
@@ -669,7 +673,10 @@ class _Run:
           max_input_magnitude=_Census.of(inputs).largest, iteration=where.iteration, made=made, scale=self.scale,
           derivative_of=where.derivative_of, division_by_zero=_by_zero(eqn, ins, outs, own),
       ))
-      origin = min(len(self.made) - 1, _CONSTANT if origin is None else origin)
+      # What it made is what it passes on, before a non-finite argument or constant it read (a
+      # mask's -inf, given on purpose); an earlier operation's inf, if it read one, comes first.
+      made_before = [o for o in origins if o is not None and self.given <= o < _CONSTANT]
+      origin = min(made_before, default=len(self.made) - 1)
     return [None if c is None or c.finite else origin for c in censuses]
 
   def own(self, eqn, ins, origins, outs, floating) -> list:

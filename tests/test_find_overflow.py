@@ -407,23 +407,29 @@ def test_argnums_picks_what_is_differentiated():
 JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 
 
-def contrastive_loss(z, labels):
-  """A SimCLR-style loss: float16 similarities, the diagonal masked with -inf, a temperature."""
+def contrastive_loss(z, labels, mask=None):
+  """A SimCLR-style loss: float16 similarities, the diagonal masked with -inf (here, or the
+  additive ``mask`` given), a temperature."""
   import optax
 
   z = z.astype(jnp.float16)
-  sim = jnp.where(jnp.eye(z.shape[0], dtype=bool), -jnp.inf, z @ z.T)
+  if mask is None:
+    sim = jnp.where(jnp.eye(z.shape[0], dtype=bool), -jnp.inf, z @ z.T)
+  else:
+    sim = z @ z.T + mask
   logits = sim / jnp.float16(1e-3)  # the float16 division that overflows
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
 
 
 @JIT
-def test_a_masks_minus_inf_does_not_hide_the_operations_own_overflow(jit):
+@pytest.mark.parametrize("given", [False, True], ids=["mask_made", "mask_given"])
+def test_a_masks_minus_inf_does_not_hide_the_operations_own_overflow(given, jit):
   z = jnp.asarray(np.random.default_rng(0).normal(0, 10, (4, 8)), jnp.float32)
   labels = jnp.array([1, 0, 3, 2])
+  mask = jnp.where(jnp.eye(4, dtype=bool), -jnp.inf, 0.0).astype(jnp.float16) if given else None
   loss = jax.jit(contrastive_loss) if jit else contrastive_loss
   scaler = jaxscale.init(init_scale=1.0)
-  report = jaxscale.find_overflow(loss, scaler, z, labels)
+  report = jaxscale.find_overflow(loss, scaler, z, labels, mask)
   # NumPy: the off-diagonal similarities beyond 65504 * 1e-3 overflow the division; the
   # diagonal's -inf was there before it.
   z16 = np.asarray(z, np.float16)
@@ -436,7 +442,7 @@ def test_a_masks_minus_inf_does_not_hide_the_operations_own_overflow(jit):
   overflows = {"inf": (quotient[off] >= F16_INF_FROM).any(), "-inf": (quotient[off] <= -F16_INF_FROM).any()}
   assert report.made == " and ".join(name for name, held in overflows.items() if held)
   assert report.max_input_magnitude == max(np.abs(sim[off]).max(), float(np.float16(1e-3)))
-  assert not step_is_finite(contrastive_loss, scaler, z, labels)
+  assert not step_is_finite(contrastive_loss, scaler, z, labels, mask)
 
 
 def tanh_head(w, x):
