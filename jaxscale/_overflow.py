@@ -654,6 +654,11 @@ class _Run:
     if all(c is None or c.finite for c in censuses):
       return [None] * len(outs)
     given = [o for o in origins if o is not None]  # the non-finite inputs' origins
+    made_before = [o for o in given if self.given <= o < _CONSTANT]
+    if made_before:
+      # An earlier operation's inf comes first, whatever this one adds: nothing to run again.
+      origin = min(made_before)
+      return [None if c is None or c.finite else origin for c in censuses]
     own = None
     if not given:
       made = _Census.combine([c for c in censuses if c is not None]).holds()
@@ -674,9 +679,8 @@ class _Run:
           derivative_of=where.derivative_of, division_by_zero=_by_zero(eqn, ins, outs, own),
       ))
       # What it made is what it passes on, before a non-finite argument or constant it read (a
-      # mask's -inf, given on purpose); an earlier operation's inf, if it read one, comes first.
-      made_before = [o for o in origins if o is not None and self.given <= o < _CONSTANT]
-      origin = min(made_before, default=len(self.made) - 1)
+      # mask's -inf, given on purpose).
+      origin = len(self.made) - 1
     return [None if c is None or c.finite else origin for c in censuses]
 
   def own(self, eqn, ins, origins, outs, floating) -> list:
@@ -799,8 +803,23 @@ def _evaluate(jaxpr, consts, args, record=None, where=_Where(), seed=None):
 
 def _compiled_skips(closed, inputs) -> bool:
   """Whether the compiled program's unscaled gradients (its outputs after the loss) hold an inf or a NaN."""
-  outs = jax.jit(lambda *args: _evaluate(closed.jaxpr, closed.consts, args))(*inputs)
+  outs = _compiled(closed.jaxpr)(closed.consts, inputs)
   return not _Census.of([x for x in outs[1:] if _interpret.floating(x)]).finite
+
+
+_COMPILED: dict = {}  # a program's text -> the jitted function that runs it
+
+
+def _compiled(jaxpr):
+  """``jaxpr`` jitted, its constants an argument: kept by its text (which shows every operation,
+  shape, dtype and literal, and no constant's value), so that the same step diagnosed again, on
+  another batch or at another scale, is not compiled again."""
+  key = str(jaxpr)
+  if key not in _COMPILED:
+    if len(_COMPILED) >= 8:  # a few programs: each holds its compiled executable
+      _COMPILED.pop(next(iter(_COMPILED)))
+    _COMPILED[key] = jax.jit(lambda consts, args: _evaluate(jaxpr, consts, args))
+  return _COMPILED[key]
 
 
 def _compiled_report(run: _Run, closed, inputs) -> OverflowReport:
