@@ -235,7 +235,9 @@ def find_overflow(
     **kwargs: ``fun``'s keyword arguments.
 
   Returns:
-    An :class:`OverflowReport`, or None if no value is non-finite, op by op and compiled.
+    An :class:`OverflowReport`, or None if no operation made an inf or a NaN and the loss and
+    the gradients are finite, op by op and compiled (a ``-inf`` mask given as an argument that
+    reaches neither is no report).
 
   Raises:
     TypeError: if ``scaler`` is not a :class:`ScalerState`, ``fun`` is not callable, an

@@ -404,7 +404,8 @@ def test_argnums_picks_what_is_differentiated():
   assert report.max_input_magnitude == float(np.float16(6e4))
 
 
-JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+# Each case eagerly and with the loss jitted as a user would; the jitted half in the slow tier.
+JIT = pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "jit"])
 
 
 def contrastive_loss(z, labels, mask=None):
