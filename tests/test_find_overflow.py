@@ -559,11 +559,15 @@ def folded(w, x):
 def test_a_compiled_step_that_overflows_where_the_op_by_op_run_does_not_is_reported(jit):
   w, x = jnp.full(2, 0.5), jnp.ones(2)
   scaler = jaxscale.init(init_scale=1.0)
-  # The reference: the gradient site itself, compiled (skipped) and operation by operation (not).
-  assert not jax.jit(jaxscale.value_and_grad(folded))(scaler, w, x)[2]
+  # The reference: the gradient site itself, compiled (skipped where XLA folds the constants: it
+  # does on jax 0.10, not on 0.12) and operation by operation (not skipped).
+  compiled_finite = bool(jax.jit(jaxscale.value_and_grad(folded))(scaler, w, x)[2])
   assert step_is_finite(folded, scaler, w, x)
   assert np.float16(np.float16(0.5) * np.float16(300)) * np.float16(300) == 45000  # op by op: it fits
   report = jaxscale.find_overflow(jax.jit(folded) if jit else folded, scaler, w, x)
+  if compiled_finite:
+    assert report is None
+    return
   assert report.compiled and report.skips_step
   assert (report.primitive, report.phase, report.dtype, report.made) == ("mul", "forward", "float16", "inf")
   assert "XLA folds" in source_line(report) and report.max_input_magnitude == 300.0  # h * 300 = 150, and 300
