@@ -601,15 +601,21 @@ def unscale_and_check(
 
 def unscale_and_check_unchecked(state: ScalerState, grads: Any, *, axis_name: Any = None) -> tuple[Any, jax.Array]:
   """:func:`unscale_and_check` for callers that validated ``state`` themselves."""
-  grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) if _is_narrow(g) else g, grads)
-  r1, r2 = _reciprocal_factors(state.scale)
-  unscaled = jax.tree.map(lambda g: _times(g, r1, r2), grads)
+  unscaled = unscale_unchecked(state, grads)
   # The flag is the check of the unscaled gradients, the very expression the Optax wrapper
   # computes on the gradients it is given: when they arrive unchanged, XLA merges the two
   # reductions (common subexpressions), and the step reads the gradients once for both
   # (benchmarks/NOTES.md). inf and NaN survive exact unscaling, and a scale below 1, the only
   # one that can overflow a finite gradient, is caught here as it should be.
   return unscaled, all_finite(unscaled, axis_name=axis_name) | ~state.enabled
+
+
+def unscale_unchecked(state: ScalerState, grads: Any) -> Any:
+  """The gradient sites' unscaling without the check: float16 and bfloat16 leaves widened to
+  float32 first, then multiplied by ``1 / scale`` (``find_overflow`` runs it operation by operation)."""
+  grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) if _is_narrow(g) else g, grads)
+  r1, r2 = _reciprocal_factors(state.scale)
+  return jax.tree.map(lambda g: _times(g, r1, r2), grads)
 
 
 def _is_narrow(x) -> bool:

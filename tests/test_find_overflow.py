@@ -22,6 +22,7 @@ import jaxscale
 import jaxscale.equinox
 
 F16_MAX = float(np.finfo(np.float16).max)  # 65504
+F16_INF_FROM = 65520.0  # the midpoint between 65504 and 2^16: from it on, rounding to float16 gives inf
 
 
 def step_is_finite(fun, scaler, *args, argnums=0, has_aux=False):
@@ -403,3 +404,250 @@ def test_argnums_picks_what_is_differentiated():
   report = jaxscale.find_overflow(loss, scaler, x, y, argnums=1)
   assert (report.primitive, report.phase) == ("mul", "backward")
   assert report.max_input_magnitude == float(np.float16(6e4))
+
+
+# Each case eagerly and with the loss jitted as a user would; the jitted half in the slow tier.
+JIT = pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "jit"])
+
+
+def contrastive_loss(z, labels, mask=None):
+  """A SimCLR-style loss: float16 similarities, the diagonal masked with -inf (here, or the
+  additive ``mask`` given), a temperature."""
+  import optax
+
+  z = z.astype(jnp.float16)
+  if mask is None:
+    sim = jnp.where(jnp.eye(z.shape[0], dtype=bool), -jnp.inf, z @ z.T)
+  else:
+    sim = z @ z.T + mask
+  logits = sim / jnp.float16(1e-3)  # the float16 division that overflows
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+
+@JIT
+@pytest.mark.parametrize("given", [False, True], ids=["mask_made", "mask_given"])
+def test_a_masks_minus_inf_does_not_hide_the_operations_own_overflow(given, jit):
+  z = jnp.asarray(np.random.default_rng(0).normal(0, 10, (4, 8)), jnp.float32)
+  labels = jnp.array([1, 0, 3, 2])
+  mask = jnp.where(jnp.eye(4, dtype=bool), -jnp.inf, 0.0).astype(jnp.float16) if given else None
+  loss = jax.jit(contrastive_loss) if jit else contrastive_loss
+  scaler = jaxscale.init(init_scale=1.0)
+  report = jaxscale.find_overflow(loss, scaler, z, labels, mask)
+  # NumPy: the off-diagonal similarities beyond 65504 * 1e-3 overflow the division; the
+  # diagonal's -inf was there before it.
+  z16 = np.asarray(z, np.float16)
+  sim = (z16.astype(np.float32) @ z16.T.astype(np.float32)).astype(np.float16)
+  quotient = sim.astype(np.float32) / np.float32(np.float16(1e-3))
+  off = ~np.eye(4, dtype=bool)
+  assert (np.abs(quotient[off]) >= F16_INF_FROM).any()
+  assert (report.primitive, report.phase, report.dtype) == ("div", "forward", "float16") and report.skips_step
+  assert "the float16 division" in source_line(report)
+  overflows = {"inf": (quotient[off] >= F16_INF_FROM).any(), "-inf": (quotient[off] <= -F16_INF_FROM).any()}
+  assert report.made == " and ".join(name for name, held in overflows.items() if held)
+  assert report.max_input_magnitude == max(np.abs(sim[off]).max(), float(np.float16(1e-3)))
+  assert not step_is_finite(contrastive_loss, scaler, z, labels, mask)
+
+
+def tanh_head(w, x):
+  return jnp.mean(jnp.tanh(x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32))
+
+
+@JIT
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+def test_a_non_finite_argument_is_named_whatever_it_holds(bad, jit):
+  # tanh saturates the sample's inf to 1 with derivative 0, and the backward matmul multiplies
+  # that 0 by the inf: a NaN that no operation made from finite inputs.
+  w, x = jnp.ones((3, 1)), jnp.ones((2, 3)).at[1, 2].set(bad)
+  scaler = jaxscale.init(init_scale=2.0**11)
+  report = jaxscale.find_overflow(jax.jit(tanh_head) if jit else tanh_head, scaler, w, x)
+  held = {np.inf: "inf", -np.inf: "-inf"}.get(bad, "NaN")
+  assert (report.primitive, report.name_stack, report.made) == ("argument", "args[1]", held) and report.skips_step
+  assert str(report) == f"`fun`'s argument `args[1]` (float32) holds {held} before any operation runs."
+  assert not step_is_finite(tanh_head, scaler, w, x)
+
+
+@JIT
+def test_an_inf_in_the_batch_skips_the_step_even_beside_an_overflow_that_reaches_only_the_loss(jit):
+  def loss(w, batch):
+    x, y = batch["x"], batch["y"]
+    return jnp.mean(x @ w) + jnp.sum(jnp.exp(100.0 * y))  # exp(100) overflows float32: the loss only
+
+  w, batch = jnp.ones((3, 1)), {"x": jnp.ones((2, 3)).at[0, 1].set(jnp.inf), "y": jnp.ones(2)}
+  scaler = jaxscale.init(init_scale=1.0)
+  report = jaxscale.find_overflow(jax.jit(loss) if jit else loss, scaler, w, batch)
+  assert not step_is_finite(loss, scaler, w, batch)  # the gradient is x's column means: inf
+  assert report.skips_step and (report.primitive, report.name_stack, report.made) == ("argument", "args[1]['x']", "inf")
+  # Without the inf, the exp's overflow is reported, and it is not what skips a step.
+  batch["x"] = jnp.ones((2, 3))
+  report = jaxscale.find_overflow(jax.jit(loss) if jit else loss, scaler, w, batch)
+  assert (report.primitive, report.reaches) == ("exp", "loss") and step_is_finite(loss, scaler, w, batch)
+
+
+@JIT
+def test_nnx_batchnorm_statistics_are_not_differentiated(jit):
+  from flax import nnx
+
+  import jaxscale.flax
+
+  # Normalised by rsqrt(1e-4 + eps) ~ 95: the statistics' derivative, rsqrt(v) / v ~ 1e6, would
+  # overflow float16, but the gradient site differentiates only the nnx.Params (scale, bias).
+  model = nnx.BatchNorm(4, use_running_average=True, dtype=jnp.float16, param_dtype=jnp.float16, rngs=nnx.Rngs(0))
+  model.var[...] = jnp.full(4, 1e-4, jnp.float16)
+  x = jnp.asarray(np.random.default_rng(0).normal(0, 1, (8, 4)), jnp.float32)
+
+  def loss(model, x):
+    return jnp.mean(model(x).astype(jnp.float32) ** 2)
+
+  scaler = jaxscale.init(init_scale=1.0)
+  assert jaxscale.find_overflow(nnx.jit(loss) if jit else loss, scaler, model, x) is None
+  site = jaxscale.flax.value_and_grad(loss)
+  assert site(scaler, model, x)[2] and nnx.jit(site)(scaler, model, x)[2]
+  # What the site leaves out is there: differentiated with respect to the statistics, it overflows.
+  stats = nnx.grad(loss, argnums=nnx.DiffState(0, nnx.BatchStat))(model, x)
+  assert not np.isfinite(np.asarray(stats["var"][...])).all()
+
+
+@JIT
+def test_an_equinox_float_field_is_not_differentiated(jit):
+  class Scaled(eqx.Module):
+    w: jax.Array
+    temperature: float  # a plain float: `eqx.filter_grad` leaves it alone
+
+  def loss(model, x):
+    return jnp.sum(model.w * x / model.temperature)
+
+  model, x = Scaled(jnp.ones(3), 1e-20), jnp.full(3, 1e-10)
+  # d loss / d temperature = -(w x) t**-2, and t**-2 = 1e40 overflows float32; the site never computes it.
+  with np.errstate(over="ignore"):
+    assert np.isinf(np.float32(1e-20) ** np.float32(-2))
+  scaler = jaxscale.init(init_scale=1.0)
+  assert jaxscale.find_overflow(eqx.filter_jit(loss) if jit else loss, scaler, model, x) is None
+  site = jaxscale.equinox.filter_value_and_grad(loss)
+  assert site(scaler, model, x)[2] and eqx.filter_jit(site)(scaler, model, x)[2]
+  # A dict holding the same float is differentiated, as `jaxscale.value_and_grad` does.
+  plain = {"w": jnp.ones(3), "temperature": 1e-20}
+  report = jaxscale.find_overflow(lambda p, x: jnp.sum(p["w"] * x / p["temperature"]), scaler, plain, x)
+  assert report.skips_step and report.phase == "backward"
+
+
+@JIT
+def test_a_true_gradient_that_overflows_in_the_unscaling_at_a_scale_below_1(jit):
+  # u = 1e30 w = 1 and 1e30 (u - 1) stay finite forward; the gradient is 1e30 * 1e30 = 1e60,
+  # beyond float32: at scale 2^-100 the backward pass carries 7.9e29, and the unscaling overflows.
+  def loss(w):
+    return jnp.sum(1e30 * (w * 1e30 - 1.0))
+
+  w = jnp.full(2, 1e-30)
+  scaler = jaxscale.init(init_scale=2.0**-100)  # `min_scale` is 0 by default: reachable
+  report = jaxscale.find_overflow(jax.jit(loss) if jit else loss, scaler, w)
+  scaled = np.float32(2.0**-100) * np.float32(1e30) * np.float32(1e30)  # what the backward pass carries
+  assert np.isfinite(scaled) and float(scaled) * 2.0**100 > float(np.finfo(np.float32).max)
+  assert (report.primitive, report.phase, report.name_stack) == ("mul", "backward", "loss_scaling")
+  assert report.dtype == "float32"
+  assert report.skips_step and not step_is_finite(loss, scaler, w)
+  assert "the scale is below 1, and the true (unscaled) gradient does not fit float32" in str(report)
+  # At scale 1 the backward multiply itself overflows, at the user's line.
+  report = jaxscale.find_overflow(loss, jaxscale.init(init_scale=1.0), w)
+  assert (report.primitive, report.phase, report.name_stack) == ("mul", "backward", "")
+
+
+def folded(w, x):
+  h = (x * w).astype(jnp.float16)
+  y = h * 300 * 300  # XLA folds 300 * 300 into one float16 constant: inf
+  return jnp.mean(y.astype(jnp.float32) ** 2) * 1e-9
+
+
+@JIT
+def test_a_compiled_step_that_overflows_where_the_op_by_op_run_does_not_is_reported(jit):
+  w, x = jnp.full(2, 0.5), jnp.ones(2)
+  scaler = jaxscale.init(init_scale=1.0)
+  # The reference: the gradient site itself, compiled (skipped where XLA folds the constants: it
+  # does on jax 0.10, not on 0.12) and operation by operation (not skipped).
+  compiled_finite = bool(jax.jit(jaxscale.value_and_grad(folded))(scaler, w, x)[2])
+  assert step_is_finite(folded, scaler, w, x)
+  assert np.float16(np.float16(0.5) * np.float16(300)) * np.float16(300) == 45000  # op by op: it fits
+  report = jaxscale.find_overflow(jax.jit(folded) if jit else folded, scaler, w, x)
+  if compiled_finite:
+    assert report is None
+    return
+  assert report.compiled and report.skips_step
+  assert (report.primitive, report.phase, report.dtype, report.made) == ("mul", "forward", "float16", "inf")
+  assert "XLA folds" in source_line(report) and report.max_input_magnitude == 300.0  # h * 300 = 150, and 300
+  assert str(report).startswith("In the compiled step only (run operation by operation, every value is finite")
+
+
+@JIT
+def test_a_derivative_factor_of_a_float16_division_is_backward(jit):
+  def loss(w, y):
+    return jnp.sum((w / y).astype(jnp.float32))  # the division
+
+  w, y = jnp.ones(2, jnp.float16), jnp.full(2, 2.0**-8, jnp.float16)
+  scaler = jaxscale.init(init_scale=1.0)
+  report = jaxscale.find_overflow(jax.jit(loss) if jit else loss, scaler, w, y, argnums=1)
+  # d(w / y)/dy = -w y**-2 = -2^16: float16's y**-2 overflows; w / y = 256 fits.
+  assert 2.0**16 >= F16_INF_FROM and not step_is_finite(loss, scaler, w, y, argnums=1)
+  assert (report.primitive, report.phase, report.derivative_of, report.division_by_zero) == (
+      "integer_pow", "backward", "div", False)
+  assert "the division" in source_line(report) and report.skips_step
+  assert ", in the derivative of `div`, overflowed float16 in the backward pass" in str(report)
+  assert jaxscale.find_overflow(loss, scaler, w, y, argnums=0) is None  # d/dw = 1 / y: no factor
+
+
+def where_trap(x):
+  return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.0))  # the where trap
+
+
+def norm_loss(x):
+  return jnp.linalg.norm(x)  # the norm at 0
+
+
+@JIT
+@pytest.mark.parametrize("loss", [where_trap, norm_loss], ids=["where", "norm"])
+def test_a_division_by_zero_in_a_derivative_is_named_so(loss, jit):
+  # sqrt's derivative is 0.5 / sqrt(x): at x = 0, 1 / 0, and the backward pass's 0 times it is NaN.
+  x = jnp.array([0.0, 0.0, 0.0]) if loss is norm_loss else jnp.array([0.0, 4.0])
+  scaler = jaxscale.init(init_scale=1.0)
+  report = jaxscale.find_overflow(jax.jit(loss) if jit else loss, scaler, x)
+  assert (report.primitive, report.phase, report.derivative_of, report.division_by_zero, report.made) == (
+      "div", "backward", "sqrt", True, "inf")
+  assert report.skips_step and not step_is_finite(loss, scaler, x)
+  assert "the where trap" in source_line(report) or "the norm at 0" in source_line(report)
+  assert ", in the derivative of `sqrt`, divided by zero in the backward pass" in str(report)
+
+
+def test_the_source_of_an_operation_in_a_jitted_library_function_is_the_users_call():
+  def loss(x):
+    z = jax.nn.standardize(x.astype(jnp.float16))  # the library call
+    return jnp.sum(z.astype(jnp.float32))
+
+  x = jnp.array([300.0, 1.0, 2.0])  # its variance squares 300: 9e4, beyond float16
+  report = jaxscale.find_overflow(loss, jaxscale.init(init_scale=1.0), x)
+  assert 300.0**2 >= F16_INF_FROM
+  assert report.primitive in ("square", "integer_pow", "mul") and report.dtype == "float16"
+  assert "the library call" in source_line(report)
+
+
+@pytest.mark.parametrize("block", [0, 1])
+def test_nnx_blocks_are_told_apart_by_their_path(block):
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.blocks = nnx.List([nnx.Linear(4, 4, dtype=jnp.float16, rngs=rngs) for _ in range(2)])
+      self.blocks[block].kernel[...] = jnp.full((4, 4), 3e4)  # 4 * 3e4 and more: beyond float16
+
+    def __call__(self, x):
+      for layer in self.blocks:
+        x = layer(x)
+      return x
+
+  net = Net(nnx.Rngs(0))
+
+  def loss(net, x):
+    return jnp.mean(net(x).astype(jnp.float32) ** 2)
+
+  scaler = jaxscale.init(init_scale=1.0)
+  report = jaxscale.find_overflow(loss, scaler, net, jnp.ones((2, 4)))
+  assert report.primitive == "dot_general" and report.name_stack == f"Net/blocks[{block}]"
+  assert not step_is_finite(loss, scaler, net, jnp.ones((2, 4)))
+  assert "__call__" not in nnx.Linear.__dict__ or nnx.Linear.__call__.__name__ == "__call__"  # put back as it was
