@@ -1,12 +1,15 @@
-"""The precision policy: which dtype parameters are stored in, computed in, and returned in.
+"""The precision policy: which dtype parameters are stored in, computed in, returned in and reduced in.
 
-A ``Policy`` is three dtypes (jmp's names), and how autocast runs matmuls::
+A ``Policy`` is three dtypes (jmp's names), how autocast runs matmuls, and how gradients cross devices::
 
     param_dtype    the parameters as stored and updated (float32 for mixed precision)
     compute_dtype  the forward and backward pass (float16 or bfloat16 for mixed precision)
     output_dtype   what the computation hands back (float32: the loss, logits for metrics)
     matmul_dtype   None: matmuls in compute_dtype; float8_e4m3fn: scaled float8 matmuls
                    (``"mixed_float8"``: operands in e4m3, gradients in e5m2, docs/float8.md)
+    reduce_dtype   the weight gradients as they cross devices (all-reduce, reduce-scatter): the
+                   dtype of autocast's weight-gradient products (default: param_dtype, so the
+                   mixed-precision step reduces as the float32 step does; docs/distributed.md)
 
 Its casts touch only the floating leaves of a pytree: integers, bools, PRNG keys and
 ``float0`` tangents keep their dtype. Loss scaling is needed for float16 compute only:
@@ -36,7 +39,7 @@ _NAMES = {
 }  # fmt: skip
 _KEYS = {
     "p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output",
-    "m": "matmul", "matmul": "matmul",
+    "m": "matmul", "matmul": "matmul", "r": "reduce", "reduce": "reduce",
 }  # fmt: skip
 _PRESETS = {
     "mixed_float16": ("float32", "float16", "float32"),
@@ -62,6 +65,12 @@ class Policy:
     matmul_dtype: None (matmuls run in ``compute_dtype``), or ``float8_e4m3fn``:
       :func:`autocast` runs every matmul and convolution as a scaled float8 one
       (the ``"mixed_float8"`` preset; docs/float8.md).
+    reduce_dtype: the dtype in which gradients cross devices in a sharded step:
+      :func:`autocast` writes the gradient of each parameter a matmul reads in it,
+      so that the all-reduce or reduce-scatter the partitioner inserts adds the
+      devices' partial sums in it. Default (None): ``param_dtype``, so that a
+      mixed-precision step reduces its gradients as the float32 step would;
+      ``bfloat16`` halves the bytes those collectives move (docs/distributed.md).
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale
@@ -76,8 +85,11 @@ class Policy:
   compute_dtype: Any
   output_dtype: Any
   matmul_dtype: Any = None
+  reduce_dtype: Any = None
 
   def __post_init__(self):
+    if self.reduce_dtype is None:
+      object.__setattr__(self, "reduce_dtype", self.param_dtype)
     if self.matmul_dtype is not None:
       name = self.matmul_dtype.strip().lower() if isinstance(self.matmul_dtype, str) else None
       if (_FLOAT8 if name in _FLOAT8_NAMES else _as_dtype(self.matmul_dtype)) != _FLOAT8:
@@ -86,7 +98,7 @@ class Policy:
             f"float8 matmuls, whose gradients run in float8_e5m2), got {self.matmul_dtype!r}."
         )
       object.__setattr__(self, "matmul_dtype", _FLOAT8)
-    for field in dataclasses.fields(self)[:3]:
+    for field in (f for f in dataclasses.fields(self) if f.name != "matmul_dtype"):
       value = getattr(self, field.name)
       if isinstance(value, str):  # read as `get_policy` reads it: "f16" is float16, not NumPy's float128
         name = value.strip().lower()
@@ -129,7 +141,9 @@ class Policy:
 
   def __str__(self) -> str:
     matmul = f",matmul={self.matmul_dtype.name}" if self.matmul_dtype is not None else ""
-    return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}{matmul}"
+    reduce = f",reduce={self.reduce_dtype.name}" if self.reduce_dtype != self.param_dtype else ""
+    dtypes = f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
+    return dtypes + matmul + reduce
 
 
 def cast_floating(tree: T, dtype: Any) -> T:
@@ -173,6 +187,8 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     compute follows parameters and output follows compute (``"c=f16"`` is
     ``p=f32,c=f16,o=f16``). ``matmul=float8`` (``m=f8``) adds float8 matmuls:
     ``str(get_policy("mixed_float8"))`` is read back as the same policy.
+    ``reduce=bfloat16`` (``r=bf16``) sets the dtype gradients cross devices in
+    (default: the parameters' dtype).
 
   Dtype names: ``float32``/``f32``/``full``, ``float16``/``f16``,
   ``bfloat16``/``bf16``, ``float64``/``f64``, and ``half`` (float16, or
@@ -195,6 +211,8 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     params=float32,compute=bfloat16,output=float32
     >>> print(jaxscale.get_policy("c=f16"))
     params=float32,compute=float16,output=float16
+    >>> jaxscale.get_policy("p=f32,c=bf16,o=f32,reduce=bf16").reduce_dtype
+    dtype(bfloat16)
     >>> jaxscale.get_policy("compute=f8")
     Traceback (most recent call last):
     ...
@@ -222,8 +240,9 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     key, _, value = (s.strip() for s in part.partition("="))
     if key not in _KEYS:
       raise ValueError(
-          f"Unknown key {key!r} in policy {spec!r}; the keys are 'params' ('p'), "
-          "'compute' ('c') and 'output' ('o'), as in 'params=float32,compute=float16,output=float32'."
+          f"Unknown key {key!r} in policy {spec!r}; the keys are 'params' ('p'), 'compute' ('c'), "
+          "'output' ('o'), 'matmul' ('m') and 'reduce' ('r'), as in "
+          "'params=float32,compute=bfloat16,output=float32,reduce=float32'."
       )
     if _KEYS[key] == "matmul" and value not in _FLOAT8_NAMES:
       raise ValueError(
@@ -233,7 +252,7 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     chosen[_KEYS[key]] = _FLOAT8 if _KEYS[key] == "matmul" else _dtype(value, spec)
   param = chosen.get("param", np.dtype(jnp.float32))
   compute = chosen.get("compute", param)
-  return Policy(param, compute, chosen.get("output", compute), chosen.get("matmul"))
+  return Policy(param, compute, chosen.get("output", compute), chosen.get("matmul"), chosen.get("reduce"))
 
 
 def _nearest(text: str, names: list[str]) -> str:
