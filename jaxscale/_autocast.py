@@ -260,14 +260,75 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
   """The rule of a ``dot_general`` / ``conv_general_dilated`` with floating operands.
 
   Operands in the compute dtype, products accumulated as the backend does for it and returned
-  in it. The one place that decides how a matmul runs (a float8 policy replaces this).
+  in it. The one place that decides how a matmul runs (a float8 policy replaces this). The
+  gradient of an operand that is an input of the autocast function (a parameter) is the
+  product of two compute-dtype operands written in ``policy.reduce_dtype`` (`_weight_gradient`).
   """
   compute = policy.compute_dtype
+  inputs = [any(x is arg for arg in _INPUTS.get()) for x in ins]
   if policy.matmul_dtype is not None:
     lhs, rhs = ins
-    inputs = [any(x is arg for arg in _INPUTS.get()) for x in ins]
-    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs)]
-  return _interpret.bind(eqn, [_to(x, compute) for x in ins], dict(eqn.params, preferred_element_type=compute))
+    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, policy.reduce_dtype)]
+  params = dict(eqn.params, preferred_element_type=compute)
+  written = [policy.reduce_dtype if given and _dtype(x) != compute else compute for x, given in zip(ins, inputs)]
+  if all(dtype == compute for dtype in written):
+    return _interpret.bind(eqn, [_to(x, compute) for x in ins], params)
+  return [_weight_gradient(eqn, params, compute, written)(*ins)]
+
+
+def _weight_gradient(eqn, params, compute, written):
+  """The matmul ``eqn`` in ``compute``, whose backward writes operand ``i``'s gradient in ``written[i]``.
+
+  The weight gradient of a batch-sharded step is a contraction over the batch: each device's
+  product is a partial sum, and the SPMD partitioner adds them across devices in the dtype that
+  product is written in, before the cast to the parameter's dtype that follows (JAX's own
+  transpose writes it in the compute dtype: a bfloat16 all-reduce or reduce-scatter). Written in
+  ``reduce_dtype`` by the GEMM itself (its accumulator is float32 anyway), the partial sums
+  cross devices in that dtype, and no separate cast pass is left on one device either.
+  """
+
+  def product(lhs, rhs):
+    return _interpret.bind(eqn, [lhs, rhs], params)[0]
+
+  def forward(lhs, rhs):
+    operands = (_to(lhs, compute), _to(rhs, compute))
+    return product(*operands), operands
+
+  def backward(operands, g):
+    lhs, rhs = operands
+    grads = [
+        _transpose_written(lambda x: product(x, rhs), lhs, g, written[0]),
+        _transpose_written(lambda x: product(lhs, x), rhs, g, written[1]),
+    ]
+    return tuple(_to(grad, dtype) for grad, dtype in zip(grads, dtypes))
+
+  def primal(lhs, rhs):
+    return forward(lhs, rhs)[0]
+
+  dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
+  fn = jax.custom_vjp(primal)
+  fn.defvjp(forward, backward)
+  return fn
+
+
+def _transpose_written(linear, x, g, dtype):
+  """The transpose of ``linear`` (one matmul) at ``g``, its product written in ``dtype``.
+
+  JAX's transpose of a matmul writes in the forward's result dtype; this traces that transpose
+  and binds it again with each product's ``preferred_element_type`` set to ``dtype``, so that
+  the dimension numbers of every matmul primitive's transpose are JAX's own.
+  """
+  closed = jax.make_jaxpr(jax.linear_transpose(linear, x))(g)
+  env = dict(zip(closed.jaxpr.constvars, closed.consts))
+  env.update(zip(closed.jaxpr.invars, [g]))
+  read = lambda v: v.val if _interpret.is_literal(v) else env[v]
+  for eqn in closed.jaxpr.eqns:
+    wider = eqn.primitive.name in COMPUTE_PRIMITIVES and _floating(eqn.outvars[0].aval)
+    outs = _interpret.bind(eqn, [read(v) for v in eqn.invars], dict(eqn.params, preferred_element_type=dtype)
+                           if wider else None)
+    env.update(zip(eqn.outvars, outs))
+  (out,) = [read(v) for v in closed.jaxpr.outvars]
+  return out
 
 
 def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
