@@ -254,7 +254,7 @@ def _marked(fun, reason: str):
 
 
 def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True, True), reduce_dtype=None):
-  """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``, ``reduce_dtype``: see `matmul`)."""
+  """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``, ``reduce_dtype``: `matmul`)."""
   own = lambda dtype: dtype if reduce_dtype is None or dtype == compute_dtype else reduce_dtype
   written = [own(dtype) if given else compute_dtype for dtype, given in zip((lhs_dtype, rhs_dtype), inputs)]
 
