@@ -260,9 +260,11 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
   """The rule of a ``dot_general`` / ``conv_general_dilated`` with floating operands.
 
   Operands in the compute dtype, products accumulated as the backend does for it and returned
-  in it. The one place that decides how a matmul runs (a float8 policy replaces this). The
-  gradient of an operand that is an input of the autocast function (a parameter) is the
-  product of two compute-dtype operands written in ``policy.reduce_dtype`` (`_weight_gradient`).
+  in it. The one place that decides how a matmul runs (a float8 policy replaces this). In a
+  program partitioned over several devices, the gradient of an operand that is an input of the
+  autocast function (a parameter) is the product of two compute-dtype operands written in
+  ``policy.reduce_dtype`` (`_weight_gradient`); elsewhere JAX's own derivative, which forward-mode
+  differentiation (``jax.jvp``, ``jax.hessian``) needs.
   """
   compute = policy.compute_dtype
   inputs = [any(x is arg for arg in _INPUTS.get()) for x in ins]
@@ -271,43 +273,60 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
     return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, policy.reduce_dtype)]
   params = dict(eqn.params, preferred_element_type=compute)
   written = [policy.reduce_dtype if given and _dtype(x) != compute else compute for x, given in zip(ins, inputs)]
-  if all(dtype == compute for dtype in written):
+  if all(dtype == compute for dtype in written) or not any(map(_partitioned, ins)):
     return _interpret.bind(eqn, [_to(x, compute) for x in ins], params)
-  return [_weight_gradient(eqn, params, compute, written)(*ins)]
+  return [_weight_gradient(eqn, params, compute, written, [_dtype(x) for x in ins])(*ins)]
 
 
-def _weight_gradient(eqn, params, compute, written):
-  """The matmul ``eqn`` in ``compute``, whose backward writes operand ``i``'s gradient in ``written[i]``.
+def _partitioned(x) -> bool:
+  """Whether ``x`` is a value of a program that ``jit`` partitions over several devices.
+
+  Read from its type's mesh (jax >= 0.7 types a value sharded under ``jit`` with it); a
+  ``shard_map`` body's manual axes do not count: there the collectives are the user's own.
+  """
+  aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+  sizes, types = getattr(mesh, "axis_sizes", ()), getattr(mesh, "axis_types", ())
+  manual = getattr(jax.sharding.AxisType, "Manual", None)
+  return any(size > 1 and kind != manual for size, kind in zip(sizes, types))
+
+
+def _weight_gradient(eqn, params, compute, written, dtypes):
+  """The matmul ``eqn`` in ``compute``, whose backward writes operand ``i``'s gradient in ``written[i]``
+  (then casts it to ``dtypes[i]``, the dtype the operand arrives in).
 
   The weight gradient of a batch-sharded step is a contraction over the batch: each device's
   product is a partial sum, and the SPMD partitioner adds them across devices in the dtype that
   product is written in, before the cast to the parameter's dtype that follows (JAX's own
   transpose writes it in the compute dtype: a bfloat16 all-reduce or reduce-scatter). Written in
   ``reduce_dtype`` by the GEMM itself (its accumulator is float32 anyway), the partial sums
-  cross devices in that dtype, and no separate cast pass is left on one device either.
+  cross devices in that dtype. A ``custom_vjp``: reverse mode only, hence kept to partitioned
+  programs (`_partitioned`).
   """
 
   def product(lhs, rhs):
     return _interpret.bind(eqn, [lhs, rhs], params)[0]
 
+  perturbed = [True, True]  # which operands are differentiated: only their gradients are computed
+
   def forward(lhs, rhs):
-    operands = (_to(lhs, compute), _to(rhs, compute))
+    perturbed[:] = [lhs.perturbed, rhs.perturbed]
+    operands = (_to(lhs.value, compute), _to(rhs.value, compute))
     return product(*operands), operands
 
   def backward(operands, g):
     lhs, rhs = operands
-    grads = [
-        _transpose_written(lambda x: product(x, rhs), lhs, g, written[0]),
-        _transpose_written(lambda x: product(lhs, x), rhs, g, written[1]),
-    ]
-    return tuple(_to(grad, dtype) for grad, dtype in zip(grads, dtypes))
+    linear = [lambda x: product(x, rhs), lambda x: product(lhs, x)]
+    return tuple(
+        _to(_transpose_written(f, x, g, dtype), own) if needed else None
+        for f, x, dtype, own, needed in zip(linear, operands, written, dtypes, perturbed)
+    )
 
   def primal(lhs, rhs):
-    return forward(lhs, rhs)[0]
+    return product(_to(lhs, compute), _to(rhs, compute))
 
-  dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
   fn = jax.custom_vjp(primal)
-  fn.defvjp(forward, backward)
+  fn.defvjp(forward, backward, symbolic_zeros=True)
   return fn
 
 
