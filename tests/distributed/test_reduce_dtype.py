@@ -171,3 +171,43 @@ def test_the_skip_decision_is_one_all_reduce_of_scalars_whatever_the_sharding(po
   instructions = [shapes for shapes, op in COLLECTIVE.findall(text) if op == "all-reduce"]
   scalar_only = [shapes for shapes in instructions if re.fullmatch(r"\(?(\w+\[\](\{\})?(, )?)+\)?", shapes)]
   assert len(scalar_only) == (0 if layout == "data_parallel" else 1), instructions
+
+
+# ---------------------------------------------------------------- shard_map and pmap
+
+
+def psum_dtypes(jaxpr):
+  """The operand dtypes of every cross-device sum in ``jaxpr``, nested programs included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("psum", "psum_invariant", "psum2"):
+      found += [str(v.aval.dtype) for v in eqn.invars if v.aval.ndim]
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(item, "jaxpr", item)
+        if hasattr(inner, "eqns"):
+          found += psum_dtypes(inner)
+  return found
+
+
+@pytest.mark.parametrize("mapping", ["shard_map", "pmap"])
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "mixed_float8"])
+def test_mapped_steps_reduce_gradients_in_the_parameters_dtype(policy, mapping):
+  """Under `shard_map` and `pmap` the sums are the program's own: JAX's sum of a replicated
+  parameter's gradient (`shard_map`) and the user's `pmean` (`pmap`) add what leaves autocast, the
+  gradients in the parameters' dtype, which is the default `reduce_dtype`."""
+  loss = jaxscale.autocast(lambda p, x: jnp.mean(jnp.square(mlp(p, x).astype(jnp.float32))), policy)
+
+  def step(scaler, params, x):
+    _, grads, finite = jaxscale.value_and_grad(loss, axis_name="d")(scaler, params, x)
+    return (jax.lax.pmean(grads, "d") if mapping == "pmap" else grads), finite
+
+  params = {"w1": jnp.zeros((64, 256)), "w2": jnp.zeros((256, 64))}
+  x = jnp.zeros((8 * 4, 64))
+  if mapping == "pmap":
+    mapped = jax.pmap(step, axis_name="d", in_axes=(None, None, 0))
+    x = x.reshape(8, 4, 64)
+  else:
+    mapped = jax.shard_map(step, mesh=mesh(), in_specs=(P(), P(), P("d")), out_specs=(P(), P()))
+  dtypes = psum_dtypes(jax.make_jaxpr(mapped)(jaxscale.init(), params, x).jaxpr)
+  assert dtypes and set(dtypes) == {"float32"}, dtypes
