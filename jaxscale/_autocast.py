@@ -268,12 +268,14 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
   """
   compute = policy.compute_dtype
   inputs = [any(x is arg for arg in _INPUTS.get()) for x in ins]
+  partitioned = any(map(_partitioned, ins))
   if policy.matmul_dtype is not None:
     lhs, rhs = ins
-    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, policy.reduce_dtype)]
+    reduce = policy.reduce_dtype if partitioned else None  # None: each gradient in its operand's dtype
+    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, reduce)]
   params = dict(eqn.params, preferred_element_type=compute)
   written = [policy.reduce_dtype if given and _dtype(x) != compute else compute for x, given in zip(ins, inputs)]
-  if all(dtype == compute for dtype in written) or not any(map(_partitioned, ins)):
+  if all(dtype == compute for dtype in written) or not partitioned:
     return _interpret.bind(eqn, [_to(x, compute) for x in ins], params)
   return [_weight_gradient(eqn, params, compute, written, [_dtype(x) for x in ins])(*ins)]
 

@@ -211,3 +211,16 @@ def test_mapped_steps_reduce_gradients_in_the_parameters_dtype(policy, mapping):
     mapped = jax.shard_map(step, mesh=mesh(), in_specs=(P(), P(), P("d")), out_specs=(P(), P()))
   dtypes = psum_dtypes(jax.make_jaxpr(mapped)(jaxscale.init(), params, x).jaxpr)
   assert dtypes and set(dtypes) == {"float32"}, dtypes
+
+
+@pytest.mark.parametrize("policy, reduced", [("mixed_bfloat16", "f32"), ("p=f32,c=bf16,o=f32,reduce=bf16", "bf16")])
+def test_a_convolutions_weight_gradient_crosses_devices_in_the_reduce_dtype(policy, reduced, tmp_path):
+  def net(w, x):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+  w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32, sharding=NamedSharding(mesh(), P()))
+  x = jax.ShapeDtypeStruct((64, 16, 16, 64), jnp.float32, sharding=NamedSharding(mesh(), P("d")))
+  f = jaxscale.autocast(net, policy)
+  grad = jax.jit(jax.grad(lambda w, x: jnp.mean(jnp.square(f(w, x).astype(jnp.float32)))))
+  found = collectives(partitioned(grad.trace(w, x).lower(), tmp_path))
+  assert {dtype for op, dtype, shape in found if shape == (3, 3, 64, 64)} == {reduced}, found
