@@ -361,6 +361,8 @@ def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
     return _interpret.bind(eqn, [_to(x, _widen(x)) if _floating(a) else x for x, a in zip(ins, avals)])
   if name in _FOLLOW_PRIMITIVES:
     return _interpret.bind(eqn, _promote(eqn, ins))
+  if name == "pvary" and _summed_elsewhere(eqn, ins, policy):
+    return [_summed_in(eqn, policy.reduce_dtype)(ins[0])]
   if name in _PASS_PRIMITIVES:
     return _interpret.bind(eqn, ins)
   programs = _interpret.subprograms(eqn.params)
@@ -380,6 +382,38 @@ def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
   if name in _CALLS or not any(_has_work(j) for j, _ in programs):
     return _interpret.bind(eqn, ins)  # a nested autocast region stays as its own policy made it
   return _interpret.rebind(eqn, ins, lambda jaxpr, consts, args: evaluate(jaxpr, consts, args, policy))
+
+
+def _summed_elsewhere(eqn, ins, policy) -> bool:
+  """Whether ``eqn`` is ``shard_map``'s ``pvary`` of a parameter whose gradient is to be summed in
+  another dtype than its own: JAX transposes ``pvary`` to a sum over the axes, in the parameter's dtype."""
+  (x,) = ins if len(ins) == 1 else (None,)
+  return (
+      x is not None and _floating(eqn.invars[0].aval) and "axes" in eqn.params
+      and _dtype(x) != policy.reduce_dtype and any(x is arg for arg in _INPUTS.get())
+  )
+
+
+def _summed_in(eqn, dtype):
+  """``eqn`` (a ``pvary``) whose transpose, the sum of the devices' gradients, adds them in ``dtype``.
+
+  A ``custom_vjp``, so reverse mode only: used where the policy asks for a ``reduce_dtype`` other
+  than the parameter's own, whose default never needs it.
+  """
+  axes = eqn.params["axes"]
+
+  @jax.custom_vjp
+  def varying(x):
+    return _interpret.bind(eqn, [x])[0]
+
+  def forward(x):
+    return varying(x), jnp.zeros((), _dtype(x))  # the residual carries the parameter's dtype
+
+  def backward(like, g):
+    return (jax.lax.psum(_to(g, dtype), axes).astype(like.dtype),)
+
+  varying.defvjp(forward, backward)
+  return varying
 
 
 def _custom_jvp(eqn, ins, program, policy):

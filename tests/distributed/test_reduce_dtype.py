@@ -191,26 +191,30 @@ def psum_dtypes(jaxpr):
 
 
 @pytest.mark.parametrize("mapping", ["shard_map", "pmap"])
-@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "mixed_float8"])
-def test_mapped_steps_reduce_gradients_in_the_parameters_dtype(policy, mapping):
-  """Under `shard_map` and `pmap` the sums are the program's own: JAX's sum of a replicated
-  parameter's gradient (`shard_map`) and the user's `pmean` (`pmap`) add what leaves autocast, the
-  gradients in the parameters' dtype, which is the default `reduce_dtype`."""
-  loss = jaxscale.autocast(lambda p, x: jnp.mean(jnp.square(mlp(p, x).astype(jnp.float32))), policy)
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "mixed_float8", "reduce=bfloat16"])
+def test_mapped_steps_reduce_gradients_in_the_reduce_dtype_where_jax_sums_them(policy, mapping):
+  """Under `shard_map`, JAX sums a replicated parameter's gradient (the transpose of its `pvary`):
+  autocast makes that sum run in `reduce_dtype`. Under `pmap` the sum is the user's `pmean` of what
+  leaves autocast, the gradients in the parameters' dtype, whatever the policy."""
+  spec = POLICIES.get(policy, (policy,))[0]
+  loss = jaxscale.autocast(lambda p, x: jnp.mean(jnp.square(mlp(p, x).astype(jnp.float32))), spec)
 
   def step(scaler, params, x):
     _, grads, finite = jaxscale.value_and_grad(loss, axis_name="d")(scaler, params, x)
     return (jax.lax.pmean(grads, "d") if mapping == "pmap" else grads), finite
 
-  params = {"w1": jnp.zeros((64, 256)), "w2": jnp.zeros((256, 64))}
-  x = jnp.zeros((8 * 4, 64))
+  params = {"w1": jnp.ones((64, 256)) / 16, "w2": jnp.ones((256, 64)) / 16}
+  x = jnp.linspace(-1, 1, 8 * 4 * 64).reshape(8 * 4, 64)
   if mapping == "pmap":
     mapped = jax.pmap(step, axis_name="d", in_axes=(None, None, 0))
     x = x.reshape(8, 4, 64)
   else:
     mapped = jax.shard_map(step, mesh=mesh(), in_specs=(P(), P(), P("d")), out_specs=(P(), P()))
   dtypes = psum_dtypes(jax.make_jaxpr(mapped)(jaxscale.init(), params, x).jaxpr)
-  assert dtypes and set(dtypes) == {"float32"}, dtypes
+  expected = "bfloat16" if policy == "reduce=bfloat16" and mapping == "shard_map" else "float32"
+  assert dtypes and set(dtypes) == {expected}, dtypes
+  grads, finite = mapped(jaxscale.init(init_scale=1.0), params, x)  # float16 holds these unscaled
+  assert bool(np.all(finite)) and all(g.dtype == np.float32 for g in jax.tree.leaves(grads))
 
 
 @pytest.mark.parametrize("policy, reduced", [("mixed_bfloat16", "f32"), ("p=f32,c=bf16,o=f32,reduce=bf16", "bf16")])
