@@ -386,11 +386,13 @@ def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
 
 def _summed_elsewhere(eqn, ins, policy) -> bool:
   """Whether ``eqn`` is ``shard_map``'s ``pvary`` of a parameter whose gradient is to be summed in
-  another dtype than its own: JAX transposes ``pvary`` to a sum over the axes, in the parameter's dtype."""
+  another dtype than its own: JAX transposes ``pvary`` to a sum over the axes, in the parameter's dtype.
+  Only a ``reduce_dtype`` chosen apart from ``param_dtype`` asks for it."""
   (x,) = ins if len(ins) == 1 else (None,)
   return (
       x is not None and _floating(eqn.invars[0].aval) and "axes" in eqn.params
-      and _dtype(x) != policy.reduce_dtype and any(x is arg for arg in _INPUTS.get())
+      and policy.reduce_dtype != policy.param_dtype and _dtype(x) != policy.reduce_dtype
+      and any(x is arg for arg in _INPUTS.get())
   )
 
 
