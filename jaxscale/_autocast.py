@@ -286,8 +286,7 @@ def _partitioned(x) -> bool:
   Read from its type's mesh (jax >= 0.7 types a value sharded under ``jit`` with it); a
   ``shard_map`` body's manual axes do not count: there the collectives are the user's own.
   """
-  aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
-  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
   sizes, types = getattr(mesh, "axis_sizes", ()), getattr(mesh, "axis_types", ())
   manual = getattr(jax.sharding.AxisType, "Manual", None)
   return any(size > 1 and kind != manual for size, kind in zip(sizes, types))
