@@ -46,6 +46,11 @@ chip (v5p's two TensorCores as one device).
     python benchmarks/gpu_program.py models           # real models' training steps (benchmarks/models.py)
     python benchmarks/gpu_program.py --write-docs     # and regenerate docs/performance.md's tables
     python benchmarks/gpu_program.py --target tpu-v5e adam mlp float8   # TPU v5e programs
+    python benchmarks/gpu_program.py reduce           # 8 H100s: what crosses devices, in which dtype
+
+On 8 H100s (the `reduce` table) each program also counts its collectives: the bytes of each
+all-reduce's operands, all-gather's result and reduce-scatter's operand (the array each one
+moves, summed; a ring moves 7/8 of it per device, twice for an all-reduce), by op and dtype.
 
 The H100 needs the CUDA plugin at jax's version, which compiles for the GPU without one:
 `pip install -e ".[gpu-program]"`, in an environment of its own (with it, a CPU-only JAX warns
@@ -124,6 +129,16 @@ def h100():
   return jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec())
 
 
+@functools.cache
+def h100_mesh(n=8):
+  """A mesh of `n` deviceless H100s on one host, its axis named "d"."""
+  from jax.experimental import topologies
+
+  h100()  # the CUDA plugin's absence, said as for one GPU
+  topology = topologies.get_topology_desc(platform="cuda", target_config=H100, topology=f"1x{n}x1")
+  return topologies.make_mesh(topology, (n,), ("d",))
+
+
 def compile_for_h100(step, *args, donate=(0, 1)):
   """The compiled H100 executable of `jax.jit(step)` on the shapes of `args`."""
   return compile_for("h100", step, *args, donate=donate)
@@ -175,7 +190,9 @@ def compile_for(target: str, step, *args, donate=(0, 1)):
   place = sharding(target)
   # Python scalars in a state (a peer's options) are traced as JAX would: weakly typed 32-bit arrays.
   dtype = lambda x: x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype(x), sharding=place), args)
+  # A shape that names its own sharding (the 8-GPU table's) keeps it.
+  placed = lambda x: getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype(x), sharding=placed(x) or place), args)
   return jax.jit(step, donate_argnums=donate).trace(*shapes).lower().compile()
 
 
@@ -194,6 +211,11 @@ class Program:
   peak_bytes: int
   estimate_s: float
   compile_s: float = 0.0
+  collectives: tuple = ()  # ((op, dtype, bytes), ...): the bytes each op moves in each dtype, summed
+
+  @property
+  def collective_bytes(self) -> int:
+    return sum(b for _, _, b in self.collectives)
 
   def ratios(self, base: Program) -> dict:
     return {"kernels": self.kernels / base.kernels, "hbm": self.hbm_bytes / base.hbm_bytes,
@@ -240,12 +262,36 @@ def gemm_flops(instruction: re.Match, shapes: dict[str, str]) -> tuple[float, st
   return 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * k, lhs.group(1)
 
 
+_COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter)(-start)?$")
+
+
+def collective_bytes(instruction: re.Match, shapes: dict[str, str]) -> dict[str, int]:
+  """Bytes by dtype that a collective moves: an all-reduce's operands, an all-gather's result, a
+  reduce-scatter's operands (read from its operands' shapes, so an async pair counts once)."""
+  op = _COLLECTIVE.match(instruction["op"])[1]
+  if op == "all-gather":  # a synchronous one's shape is its result; an async start's, (operands, results)
+    shape = instruction["shape"]
+    arrays = _ARRAY.findall(shape)
+    arrays = arrays[len(arrays) // 2:] if shape.startswith("(") else arrays
+  else:
+    arrays = [a for o in operand_names(instruction) for a in _ARRAY.findall(shapes.get(o, ""))]
+  out: dict[str, int] = {}
+  for dtype, dims in arrays:
+    out[dtype] = out.get(dtype, 0) + math.prod(int(d) for d in dims.split(",") if d) * BYTES.get(dtype, 4)
+  return out
+
+
 def read_program(compiled) -> Program:
   """The kernels, bytes, copies, GEMMs and peak of a compiled GPU executable."""
   comps = computations(compiled.as_text())
   shapes, kernels, moved, copies, fp8, gemms, estimate = {}, 0, 0, 0, 0, 0, 0.0
+  wire: dict[tuple[str, str], int] = {}
   for m in comps["ENTRY"]:
     shapes[m["name"]] = m["shape"]
+    if _COLLECTIVE.match(m["op"]):
+      for dtype, nbytes in collective_bytes(m, shapes).items():
+        key = (_COLLECTIVE.match(m["op"])[1], dtype)
+        wire[key] = wire.get(key, 0) + nbytes
     if m["op"] in NO_KERNEL:
       continue
     kernels += 1
@@ -263,7 +309,8 @@ def read_program(compiled) -> Program:
       fp8, dtype = fp8 + 1, "f8e4m3fn"
     gemms += flops > 0
     estimate += max(nbytes / HBM_BYTES_PER_S, flops / TENSOR_FLOPS.get(dtype, TENSOR_FLOPS["f32"])) + LAUNCH_S
-  return Program(kernels, moved, copies, fp8, gemms, peak_bytes(compiled), estimate)
+  collectives = tuple((op, dtype, n) for (op, dtype), n in sorted(wire.items()))
+  return Program(kernels, moved, copies, fp8, gemms, peak_bytes(compiled), estimate, collectives=collectives)
 
 
 def peak_bytes(compiled) -> int:
@@ -471,6 +518,33 @@ def model_tables():
           functools.partial(models.gpt_step, config=wide)),
       "ResNet50 step (224x224, batch 64), AdamW": model_table(models.resnet_step, donate=(0, 1, 2)),
   }
+def reduce_table(layout, width=4096, tokens_per_gpu=1024, n=8):
+  """An MLP's gradient (d `width`, 4x hidden, GELU) on `n` H100s under each policy's `reduce_dtype`.
+
+  float32 parameters, the batch split over the devices; `layout`: "data parallel" (parameters
+  replicated) or "fsdp" (each parameter split on its first axis). The gradient comes out sharded
+  as its parameter, so the partitioner chooses each collective and its dtype.
+  """
+  mesh = h100_mesh(n)
+  spec = jax.sharding.PartitionSpec() if layout == "data parallel" else jax.sharding.PartitionSpec("d", None)
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  shape = lambda *s, sharding=sharding: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding)
+  params = {"up": shape(width, 4 * width), "down": shape(4 * width, width)}
+  x = shape(n * tokens_per_gpu, width, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+
+  def mlp(params, x):
+    return jax.nn.gelu(x @ params["up"]) @ params["down"]
+
+  def row(policy):
+    f = jaxscale.autocast(mlp, policy)
+    grad = jax.grad(lambda p, x: jnp.mean(jnp.square(f(p, x).astype(jnp.float32))))
+    return lambda: (jax.jit(grad, out_shardings={"up": sharding, "down": sharding}), (params, x), ())
+
+  policies = {"float32": "float32", "mixed_bfloat16": "mixed_bfloat16",
+              "mixed_bfloat16, reduce=bfloat16": "p=float32,c=bfloat16,o=float32,reduce=bfloat16",
+              "mixed_float8": "mixed_float8",
+              "mixed_float8, reduce=bfloat16": "p=float32,c=bfloat16,o=float32,matmul=float8,reduce=bfloat16"}
+  return {name: row(policy) for name, policy in policies.items()}
 
 
 TABLES = {
@@ -490,6 +564,8 @@ TABLES = {
     # What the compiler does with a float16 matmul, against bfloat16 (a TPU's question more than a GPU's).
     "float16": lambda: {"transformer block fwd+bwd, d 1024, seq 1024, batch 4, float16": float8_table(
         1024, 1024, policies=("mixed_bfloat16", "mixed_float16"))},
+    "reduce": lambda: {f"MLP gradient on 8 H100s, {layout}, d 4096, 1024 tokens a GPU": reduce_table(layout)
+                       for layout in ("data parallel", "fsdp")},
 }
 
 
@@ -533,6 +609,8 @@ def over_budget(program: Program, base: Program, **budget) -> list[str]:
 
 def markdown(title, programs: dict[str, Program]) -> list[str]:
   base = next(iter(programs.values()))
+  if any(p.collectives for p in programs.values()):
+    return collectives_markdown(title, programs)
   lines = [f"**{title}**", "",
            "| program | kernels | HBM MB | x | copies | FP8 GEMMs | peak MB | x | estimate ms | x |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -554,6 +632,18 @@ def tpu_markdown(title, programs: dict[str, Program]) -> list[str]:
     lines.append(f"| {name} | {p.kernels} | {p.hbm_bytes / 1e6:.1f} | {r['hbm']:.3f} | {p.copies} | {p.fp8_gemms} | "
                  f"{p.peak_bytes / 1e6:.1f} | {r['peak']:.3f} | {p.estimate_s * 1e3:.3f} | {r['estimate']:.3f} | "
                  f"{p.compile_s:.1f} |")
+  return lines + [""]
+
+
+def collectives_markdown(title, programs: dict[str, Program]) -> list[str]:
+  """A multi-GPU table: the bytes each program's collectives move, by op and dtype."""
+  lines = [f"**{title}**", "",
+           "| program | collective MB | collectives (MB by op and dtype) | HBM MB a GPU | estimate ms |",
+           "| --- | ---: | --- | ---: | ---: |"]
+  for name, p in programs.items():
+    each = "; ".join(f"{op} {dtype} {n / 1e6:.1f}" for op, dtype, n in p.collectives if n >= 1e4)
+    lines.append(f"| {name} | {p.collective_bytes / 1e6:.1f} | {each} | {p.hbm_bytes / 1e6:.1f} | "
+                 f"{p.estimate_s * 1e3:.3f} |")
   return lines + [""]
 
 

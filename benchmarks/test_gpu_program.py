@@ -155,3 +155,30 @@ def test_resnet50_under_float8_is_bfloat16s_program_and_says_so_at_trace_time():
     bf16, f8 = compiled_rows("models", "ResNet50 step (224x224, batch 64), AdamW").values()
   assert gpu_program.read_program(f8) == gpu_program.read_program(bf16)
   assert jaxscale.compiled_report(f8).asked_float8 == 0 and jaxscale.compiled_report(f8).float8_gemms == 0
+# An MLP's gradient (d 4096, 1024 tokens a GPU) on 8 H100s, float32 parameters. Its weight gradients
+# are 2 x 4096 x 16384 values: 536.9 MB in float32, 268.4 MB in bfloat16, added across devices by
+# an all-reduce (data parallel) or a reduce-scatter (FSDP) in the policy's `reduce_dtype` (float32
+# by default, as the float32 step does), never in a dtype the policy did not name. FSDP gathers each
+# parameter in the dtype its matmul reads (bfloat16; float8_e4m3fn under "mixed_float8", with the
+# e5m2 gradients the partitioner gathers beside it), never in float32.
+REDUCED = {"float32": "f32", "mixed_bfloat16": "f32", "mixed_bfloat16, reduce=bfloat16": "bf16",
+           "mixed_float8": "f32", "mixed_float8, reduce=bfloat16": "bf16"}
+GATHERED = {"float32": {"f32"}, "mixed_bfloat16": {"bf16"}, "mixed_bfloat16, reduce=bfloat16": {"bf16"},
+            "mixed_float8": {"f8e4m3fn", "f8e5m2"}, "mixed_float8, reduce=bfloat16": {"f8e4m3fn", "f8e5m2"}}
+WEIGHT_GRADIENT_BYTES = {"f32": 2 * 4096 * 16384 * 4, "bf16": 2 * 4096 * 16384 * 2}
+
+
+@pytest.mark.parametrize("layout", ["data parallel", "fsdp"])
+def test_gradients_cross_eight_gpus_in_the_reduce_dtype_and_parameters_in_the_matmuls(layout):
+  title = f"MLP gradient on 8 H100s, {layout}, d 4096, 1024 tokens a GPU"
+  programs = measured("reduce", title, [name for name in REDUCED if name != "float32"])
+  for name, program in programs.items():
+    reduced = {dtype: n for op, dtype, n in program.collectives if op != "all-gather"}
+    # float8's scales add a few scalar all-reduces of float32 absolute maxima: 4 bytes each.
+    assert {dtype for dtype, n in reduced.items() if n >= 1024} == {REDUCED[name]}, (name, program.collectives)
+    # FSDP reduce-scatters one weight's gradient, and computes the other's where it is stored, from
+    # activations it gathers (the partitioner's choice).
+    expected = WEIGHT_GRADIENT_BYTES[REDUCED[name]] // (2 if layout == "fsdp" else 1)
+    assert 0 <= reduced[REDUCED[name]] - expected < 1024, (name, program.collectives)
+    gathered = {dtype for op, dtype, n in program.collectives if op == "all-gather"}
+    assert gathered == (GATHERED[name] if layout == "fsdp" else set()), (name, program.collectives)

@@ -274,16 +274,97 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
   """The rule of a ``dot_general`` / ``conv_general_dilated`` with floating operands.
 
   Operands in the compute dtype, products accumulated as the backend does for it and returned
-  in it. The one place that decides how a matmul runs (a float8 policy replaces this).
+  in it. The one place that decides how a matmul runs (a float8 policy replaces this). In a
+  program partitioned over several devices, the gradient of an operand that is an input of the
+  autocast function (a parameter) is the product of two compute-dtype operands written in
+  ``policy.reduce_dtype`` (`_weight_gradient`); elsewhere JAX's own derivative, which forward-mode
+  differentiation (``jax.jvp``, ``jax.hessian``) needs.
   """
   compute = policy.compute_dtype
+  inputs = [any(x is arg for arg in _INPUTS.get()) for x in ins]
+  partitioned = any(map(_partitioned, ins))
   if policy.matmul_dtype is not None:
     lhs, rhs = ins
-    inputs = [any(x is arg for arg in _INPUTS.get()) for x in ins]
     if (met := _FLOAT8_MATMULS.get()) is not None:
       met.append((eqn.primitive, eqn.params, lhs.shape, rhs.shape))
-    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, policy.min_intensity)]
-  return _interpret.bind(eqn, [_to(x, compute) for x in ins], dict(eqn.params, preferred_element_type=compute))
+    reduce = policy.reduce_dtype if partitioned else None  # None: each gradient in its operand's dtype
+    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, policy.min_intensity, reduce)]
+  params = dict(eqn.params, preferred_element_type=compute)
+  written = [policy.reduce_dtype if given and _dtype(x) != compute else compute for x, given in zip(ins, inputs)]
+  if all(dtype == compute for dtype in written) or not partitioned:
+    return _interpret.bind(eqn, [_to(x, compute) for x in ins], params)
+  return [_weight_gradient(eqn, params, compute, written, [_dtype(x) for x in ins])(*ins)]
+
+
+def _partitioned(x) -> bool:
+  """Whether ``x`` is a value of a program that ``jit`` partitions over several devices.
+
+  Read from its type's mesh (jax >= 0.7 types a value sharded under ``jit`` with it); a
+  ``shard_map`` body's manual axes do not count: there the collectives are the user's own.
+  """
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  sizes, types = getattr(mesh, "axis_sizes", ()), getattr(mesh, "axis_types", ())
+  manual = getattr(jax.sharding.AxisType, "Manual", None)
+  return any(size > 1 and kind != manual for size, kind in zip(sizes, types))
+
+
+def _weight_gradient(eqn, params, compute, written, dtypes):
+  """The matmul ``eqn`` in ``compute``, whose backward writes operand ``i``'s gradient in ``written[i]``
+  (then casts it to ``dtypes[i]``, the dtype the operand arrives in).
+
+  The weight gradient of a batch-sharded step is a contraction over the batch: each device's
+  product is a partial sum, and the SPMD partitioner adds them across devices in the dtype that
+  product is written in, before the cast to the parameter's dtype that follows (JAX's own
+  transpose writes it in the compute dtype: a bfloat16 all-reduce or reduce-scatter). Written in
+  ``reduce_dtype`` by the GEMM itself (its accumulator is float32 anyway), the partial sums
+  cross devices in that dtype. A ``custom_vjp``: reverse mode only, hence kept to partitioned
+  programs (`_partitioned`).
+  """
+
+  def product(lhs, rhs):
+    return _interpret.bind(eqn, [lhs, rhs], params)[0]
+
+  perturbed = [True, True]  # which operands are differentiated: only their gradients are computed
+
+  def forward(lhs, rhs):
+    perturbed[:] = [lhs.perturbed, rhs.perturbed]
+    operands = (_to(lhs.value, compute), _to(rhs.value, compute))
+    return product(*operands), operands
+
+  def backward(operands, g):
+    lhs, rhs = operands
+    linear = [lambda x: product(x, rhs), lambda x: product(lhs, x)]
+    return tuple(
+        _to(_transpose_written(f, x, g, dtype), own) if needed else None
+        for f, x, dtype, own, needed in zip(linear, operands, written, dtypes, perturbed)
+    )
+
+  def primal(lhs, rhs):
+    return product(_to(lhs, compute), _to(rhs, compute))
+
+  fn = jax.custom_vjp(primal)
+  fn.defvjp(forward, backward, symbolic_zeros=True)
+  return fn
+
+
+def _transpose_written(linear, x, g, dtype):
+  """The transpose of ``linear`` (one matmul) at ``g``, its product written in ``dtype``.
+
+  JAX's transpose of a matmul writes in the forward's result dtype; this traces that transpose
+  and binds it again with each product's ``preferred_element_type`` set to ``dtype``, so that
+  the dimension numbers of every matmul primitive's transpose are JAX's own.
+  """
+  closed = jax.make_jaxpr(jax.linear_transpose(linear, x))(g)
+  env = dict(zip(closed.jaxpr.constvars, closed.consts))
+  env.update(zip(closed.jaxpr.invars, [g]))
+  read = lambda v: v.val if _interpret.is_literal(v) else env[v]
+  for eqn in closed.jaxpr.eqns:
+    wider = eqn.primitive.name in COMPUTE_PRIMITIVES and _floating(eqn.outvars[0].aval)
+    outs = _interpret.bind(eqn, [read(v) for v in eqn.invars], dict(eqn.params, preferred_element_type=dtype)
+                           if wider else None)
+    env.update(zip(eqn.outvars, outs))
+  (out,) = [read(v) for v in closed.jaxpr.outvars]
+  return out
 
 
 def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
@@ -295,6 +376,8 @@ def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
     return _interpret.bind(eqn, [_to(x, _widen(x)) if _floating(a) else x for x, a in zip(ins, avals)])
   if name in _FOLLOW_PRIMITIVES:
     return _interpret.bind(eqn, _promote(eqn, ins))
+  if name == "pvary" and _summed_elsewhere(eqn, ins, policy):
+    return [_summed_in(eqn, policy.reduce_dtype)(ins[0])]
   if name in _PASS_PRIMITIVES:
     return _interpret.bind(eqn, ins)
   programs = _interpret.subprograms(eqn.params)
@@ -314,6 +397,40 @@ def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
   if name in _CALLS or not any(_has_work(j) for j, _ in programs):
     return _interpret.bind(eqn, ins)  # a nested autocast region stays as its own policy made it
   return _interpret.rebind(eqn, ins, lambda jaxpr, consts, args: evaluate(jaxpr, consts, args, policy))
+
+
+def _summed_elsewhere(eqn, ins, policy) -> bool:
+  """Whether ``eqn`` is ``shard_map``'s ``pvary`` of a parameter whose gradient is to be summed in
+  another dtype than its own: JAX transposes ``pvary`` to a sum over the axes, in the parameter's dtype.
+  Only a ``reduce_dtype`` chosen apart from ``param_dtype`` asks for it."""
+  (x,) = ins if len(ins) == 1 else (None,)
+  return (
+      x is not None and _floating(eqn.invars[0].aval) and "axes" in eqn.params
+      and policy.reduce_dtype != policy.param_dtype and _dtype(x) != policy.reduce_dtype
+      and any(x is arg for arg in _INPUTS.get())
+  )
+
+
+def _summed_in(eqn, dtype):
+  """``eqn`` (a ``pvary``) whose transpose, the sum of the devices' gradients, adds them in ``dtype``.
+
+  A ``custom_vjp``, so reverse mode only: used where the policy asks for a ``reduce_dtype`` other
+  than the parameter's own, whose default never needs it.
+  """
+  axes = eqn.params["axes"]
+
+  @jax.custom_vjp
+  def varying(x):
+    return _interpret.bind(eqn, [x])[0]
+
+  def forward(x):
+    return varying(x), jnp.zeros((), _dtype(x))  # the residual carries the parameter's dtype
+
+  def backward(like, g):
+    return (jax.lax.psum(_to(g, dtype), axes).astype(like.dtype),)
+
+  varying.defvjp(forward, backward)
+  return varying
 
 
 def _custom_jvp(eqn, ins, program, policy):

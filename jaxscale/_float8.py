@@ -231,14 +231,16 @@ def _prod(sizes) -> int:
 def matmul(
     primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute_dtype: Any, inputs=(True, True),
     min_intensity: float | None = None,
+    reduce_dtype: Any = None,
 ) -> jax.Array:
   """``primitive`` (``dot_general`` or ``conv_general_dilated``) of ``lhs`` and ``rhs``, as a scaled float8 matmul.
 
   The result is in ``compute_dtype``; differentiable (reverse mode), with the gradient quantized
   to ``float8_e5m2``. ``inputs`` says which operands are inputs of the function being autocast
-  (parameters, data): their gradients are written in their own dtype (a float32 parameter's
-  without a 16-bit rounding); an activation's, in ``compute_dtype`` (as under a 16-bit policy),
-  then cast to its dtype where its consumer reads it. A matmul that
+  (parameters, data): their gradients are written in ``reduce_dtype`` (the policy's: the dtype a
+  sharded step adds the devices' partial sums in), or their own dtype where it is None or the
+  input is already in ``compute_dtype``; an activation's, in ``compute_dtype`` (as under a
+  16-bit policy), then cast to its dtype where its consumer reads it. A matmul that
   `wider_reason` keeps wider runs in ``compute_dtype`` inside a ``jit`` named after the reason,
   so that `precision_report` can say why.
   ``min_intensity``: the policy's (see `wider_reason`).
@@ -249,7 +251,7 @@ def matmul(
   )(lhs.astype(compute_dtype), rhs.astype(compute_dtype))
   if reason is not None:
     return wide(reason)(lhs, rhs)
-  scaled = _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype, inputs)
+  scaled = _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype, inputs, reduce_dtype)
   # Chosen where the program is lowered (the machine that traces may not be the one that runs it).
   return lax.platform_dependent(lhs, rhs, tpu=wide("tpu"), default=scaled)
 
@@ -335,9 +337,10 @@ def _marked(fun, reason: str):
   return jax.jit(marked)
 
 
-def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True, True)):
-  """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``: see `matmul`)."""
-  written = [dtype if given else compute_dtype for dtype, given in zip((lhs_dtype, rhs_dtype), inputs)]
+def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True, True), reduce_dtype=None):
+  """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``, ``reduce_dtype``: `matmul`)."""
+  own = lambda dtype: dtype if reduce_dtype is None or dtype == compute_dtype else reduce_dtype
+  written = [own(dtype) if given else compute_dtype for dtype, given in zip((lhs_dtype, rhs_dtype), inputs)]
 
   def product(a, b, dtype):
     return _bind(primitive, dict(params, preferred_element_type=np.dtype(dtype)), a, b)

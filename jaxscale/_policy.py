@@ -1,6 +1,6 @@
-"""The precision policy: which dtype parameters are stored in, computed in, and returned in.
+"""The precision policy: which dtype parameters are stored in, computed in, returned in and reduced in.
 
-A ``Policy`` is three dtypes (jmp's names), and how autocast runs matmuls::
+A ``Policy`` is three dtypes (jmp's names), how autocast runs matmuls, and how gradients cross devices::
 
     param_dtype    the parameters as stored and updated (float32 for mixed precision)
     compute_dtype  the forward and backward pass (float16 or bfloat16 for mixed precision)
@@ -10,6 +10,9 @@ A ``Policy`` is three dtypes (jmp's names), and how autocast runs matmuls::
     min_intensity  under float8 matmuls, the arithmetic intensity below which a matmul stays in
                    compute_dtype (512, an H100's break-even, by default; 0: every matmul of 16
                    or more in each dimension in float8)
+    reduce_dtype   the weight gradients as they cross devices (all-reduce, reduce-scatter): the
+                   dtype of autocast's weight-gradient products (default: param_dtype, so the
+                   mixed-precision step reduces as the float32 step does; docs/distributed.md)
 
 Its casts touch only the floating leaves of a pytree: integers, bools, PRNG keys and
 ``float0`` tangents keep their dtype. Loss scaling is needed for float16 compute only:
@@ -39,7 +42,7 @@ _NAMES = {
 }  # fmt: skip
 _KEYS = {
     "p": "param", "params": "param", "c": "compute", "compute": "compute", "o": "output", "output": "output",
-    "m": "matmul", "matmul": "matmul", "min_intensity": "min_intensity",
+    "m": "matmul", "matmul": "matmul", "min_intensity": "min_intensity", "r": "reduce", "reduce": "reduce",
 }  # fmt: skip
 _PRESETS = {
     "mixed_float16": ("float32", "float16", "float32"),
@@ -71,6 +74,12 @@ class Policy:
       convolution. Default 512, where float8 starts to pay on an H100; 0 runs every matmul
       whose dimensions are all 16 or more in float8 (a quality study). None without float8
       matmuls. Keyword only; ``min_intensity=`` in a policy string.
+    reduce_dtype: the dtype in which gradients cross devices in a sharded step:
+      :func:`autocast` writes the gradient of each parameter a matmul reads in it,
+      so that the all-reduce or reduce-scatter the partitioner inserts adds the
+      devices' partial sums in it. Default (None): ``param_dtype``, so that a
+      mixed-precision step reduces its gradients as the float32 step would;
+      ``bfloat16`` halves the bytes those collectives move (docs/distributed.md).
 
   Examples:
     >>> import jax.numpy as jnp, jaxscale
@@ -85,9 +94,12 @@ class Policy:
   compute_dtype: Any
   output_dtype: Any
   matmul_dtype: Any = None
+  reduce_dtype: Any = None
   min_intensity: Any = dataclasses.field(default=None, kw_only=True)
 
   def __post_init__(self):
+    if self.reduce_dtype is None:
+      object.__setattr__(self, "reduce_dtype", self.param_dtype)
     if self.matmul_dtype is not None:
       name = self.matmul_dtype.strip().lower() if isinstance(self.matmul_dtype, str) else None
       if (_FLOAT8 if name in _FLOAT8_NAMES else _as_dtype(self.matmul_dtype)) != _FLOAT8:
@@ -97,7 +109,7 @@ class Policy:
         )
       object.__setattr__(self, "matmul_dtype", _FLOAT8)
     object.__setattr__(self, "min_intensity", _min_intensity(self.min_intensity, self.matmul_dtype))
-    for field in dataclasses.fields(self)[:3]:
+    for field in (f for f in dataclasses.fields(self) if f.name not in ("matmul_dtype", "min_intensity")):
       value = getattr(self, field.name)
       if isinstance(value, str):  # read as `get_policy` reads it: "f16" is float16, not NumPy's float128
         name = value.strip().lower()
@@ -142,7 +154,9 @@ class Policy:
     matmul = f",matmul={self.matmul_dtype.name}" if self.matmul_dtype is not None else ""
     if self.min_intensity is not None and self.min_intensity != _float8.MIN_INTENSITY:
       matmul += f",min_intensity={self.min_intensity:g}"
-    return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}{matmul}"
+    reduce = f",reduce={self.reduce_dtype.name}" if self.reduce_dtype != self.param_dtype else ""
+    dtypes = f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
+    return dtypes + matmul + reduce
 
 
 def _min_intensity(value: Any, matmul_dtype: Any) -> float | None:
@@ -214,6 +228,9 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     stays in the compute dtype (512 by default: :class:`Policy`). ``str(policy)`` is read
     back as the same policy;
   * a preset (or one dtype) followed by keys that change it: ``"mixed_float8,min_intensity=0"``.
+    ``str(get_policy("mixed_float8"))`` is read back as the same policy.
+    ``reduce=bfloat16`` (``r=bf16``) sets the dtype gradients cross devices in
+    (default: the parameters' dtype).
 
   Dtype names: ``float32``/``f32``/``full``, ``float16``/``f16``,
   ``bfloat16``/``bf16``, ``float64``/``f64``, and ``half`` (float16, or
@@ -236,6 +253,8 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     params=float32,compute=bfloat16,output=float32
     >>> print(jaxscale.get_policy("c=f16"))
     params=float32,compute=float16,output=float16
+    >>> jaxscale.get_policy("p=f32,c=bf16,o=f32,reduce=bf16").reduce_dtype
+    dtype(bfloat16)
     >>> jaxscale.get_policy("compute=f8")
     Traceback (most recent call last):
     ...
@@ -268,8 +287,8 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     key, _, value = (s.strip() for s in part.partition("="))
     if key not in _KEYS:
       raise ValueError(
-          f"Unknown key {key!r} in policy {spec!r}; the keys are 'params' ('p'), "
-          "'compute' ('c') and 'output' ('o'), as in 'params=float32,compute=float16,output=float32', "
+          f"Unknown key {key!r} in policy {spec!r}; the keys are 'params' ('p'), 'compute' ('c'), "
+          "'output' ('o'), 'reduce' ('r'), as in 'params=float32,compute=bfloat16,output=float32,reduce=float32', "
           "and, for float8 matmuls, 'matmul' ('m') and 'min_intensity'."
       )
     if _KEYS[key] == "matmul" and value not in _FLOAT8_NAMES:
@@ -285,7 +304,8 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
   compute = chosen.get("compute", param)
   matmul = chosen.get("matmul")
   try:
-    return Policy(param, compute, chosen.get("output", compute), matmul, min_intensity=chosen.get("min_intensity"))
+    return Policy(param, compute, chosen.get("output", compute), matmul, chosen.get("reduce"),
+                  min_intensity=chosen.get("min_intensity"))
   except ValueError as e:
     raise ValueError(f"In policy {spec!r}: {e}") from None
 

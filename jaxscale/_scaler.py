@@ -687,14 +687,18 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
   # sum per leaf cost two kernel launches a leaf, three times the plain Adam
   # step's kernels at 48 leaves. Up to `_LEAVES_PER_REDUCTION` leaves fuse into
   # one reduction kernel; beyond, XLA splits the sum and writes its parts out.
-  by_size: dict[int, list[jax.Array]] = {}
+  # Leaves are grouped by shape and never flattened: a flattened leaf sharded on
+  # any axis but its first has no sharding the partitioner can keep, and it
+  # gathered every gradient to check it; in their own shape, each device sums its
+  # shard and one all-reduce of the scalars decides.
+  by_shape: dict[tuple, list[jax.Array]] = {}
   for g in jax.tree.leaves(tree):
     if _is_floating(g):
-      by_size.setdefault(np.size(g), []).append(_nan_unless_finite(jnp.asarray(g)))
+      by_shape.setdefault(np.shape(g), []).append(_nan_unless_finite(jnp.asarray(g)))
   total = jnp.zeros((), jnp.float32)
-  for same_size in by_size.values():
-    for i in range(0, len(same_size), _LEAVES_PER_REDUCTION):
-      chunk = same_size[i : i + _LEAVES_PER_REDUCTION]
+  for same_shape in by_shape.values():
+    for i in range(0, len(same_shape), _LEAVES_PER_REDUCTION):
+      chunk = same_shape[i : i + _LEAVES_PER_REDUCTION]
       total = total + jnp.sum(sum(chunk[1:], start=chunk[0]))
   # `total` is 0 or NaN. Left as is, XLA inlines this chain of per-leaf
   # partial sums into every fusion that reads the flag (each select of the
@@ -711,7 +715,7 @@ _LEAVES_PER_REDUCTION = 48
 
 
 def _nan_unless_finite(g: jax.Array) -> jax.Array:
-  """``g`` flattened to float32: 0 where an element is finite, NaN where it is not.
+  """``g`` in float32: 0 where an element is finite, NaN where it is not.
 
   ``g`` is a JAX array (a NumPy one would compute ``inf - inf`` eagerly, with a
   warning). A complex element is finite iff both parts are: ``inf - inf`` is
@@ -721,7 +725,7 @@ def _nan_unless_finite(g: jax.Array) -> jax.Array:
   flags = g - g
   if jnp.iscomplexobj(flags):
     flags = jnp.real(flags) + jnp.imag(flags)
-  return flags.reshape(-1).astype(jnp.float32)
+  return flags.astype(jnp.float32)
 
 
 def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:

@@ -185,3 +185,36 @@ def test_a_misspelt_preset_is_named_a_policy_and_the_nearest_name_suggested(typo
 ])
 def test_a_preset_followed_by_keys_is_the_preset_changed_by_them(spec, same_as):
   assert jaxscale.get_policy(spec) == jaxscale.get_policy(same_as)
+@pytest.mark.parametrize(
+    "spec, reduce",
+    [("float32", F32), ("mixed_float16", F32), ("mixed_bfloat16", F32), ("mixed_float8", F32), ("p=bf16", BF16),
+     ("p=f32,c=bf16,o=f32,reduce=bf16", BF16), ("p=f32,c=f16,r=f16", F16), ("p=f32,c=bf16,m=f8,r=bfloat16", BF16)],
+)
+def test_the_reduce_dtype_defaults_to_the_parameters_and_reads_back_from_str(spec, reduce):
+  policy = jaxscale.get_policy(spec)
+  assert policy.reduce_dtype == reduce
+  assert jaxscale.get_policy(str(policy)) == policy
+  # The default stays out of the string, which jmp's parser (three keys) then reads as well.
+  assert ("reduce=" in str(policy)) == (reduce != policy.param_dtype)
+
+
+def test_the_presets_strings_are_unchanged_by_the_reduce_dtype():
+  assert str(jaxscale.get_policy("mixed_bfloat16")) == "params=float32,compute=bfloat16,output=float32"
+  assert jmp.get_policy(str(jaxscale.get_policy("mixed_float16"))).compute_dtype == F16
+
+
+@pytest.mark.parametrize(
+    "spec, named",
+    [("p=f32,reduce=f8", "'f8'"), ("p=f32,reduce=int8", "'int8'"), ("p=f32,rduce=f32", "'rduce'"),
+     ("p=f32,reduce=", "''")],
+)
+def test_a_bad_reduce_dtype_names_the_bad_part(spec, named):
+  with pytest.raises(ValueError, match=named):
+    jaxscale.get_policy(spec)
+
+
+@pytest.mark.parametrize("value", [jnp.int32, jnp.float8_e4m3fn, "nope", "f8"])
+def test_the_constructor_refuses_a_reduce_dtype_it_cannot_reduce_in(value):
+  with pytest.raises(ValueError, match="reduce_dtype"):
+    jaxscale.Policy(jnp.float32, jnp.bfloat16, jnp.float32, reduce_dtype=value)
+  assert jaxscale.Policy(F32, BF16, F32, reduce_dtype="bf16").reduce_dtype == BF16
