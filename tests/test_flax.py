@@ -254,3 +254,23 @@ def test_from_dynamic_scale_resumes_a_flax_run_step_for_step():
 def test_from_dynamic_scale_refuses_other_objects():
   with pytest.raises(TypeError, match="DynamicScale"):
     jaxscale.flax.from_dynamic_scale(jaxscale.init())
+
+
+@pytest.mark.parametrize("wrap", [nnx.jit, lambda f: f], ids=["nnx_jit", "eager"])
+@pytest.mark.parametrize("before", ["cold", "traced_once"])
+def test_an_nnx_jitted_loss_that_scales_itself_is_refused_whatever_ran_before(wrap, before):
+  # `nnx.jit` reuses its trace and runs no Python when called again; even cold, a trace of it
+  # taken to read its jaxpr would fill that cache. The gradient site traces the function it wraps.
+  model = nnx.Linear(IN, OUT, rngs=nnx.Rngs(0))
+  x, y = next(batches())[0] / 1e5, jnp.zeros((32, OUT))
+  scaler = jaxscale.init(init_scale=INIT_SCALE)
+
+  @nnx.jit
+  def loss_scaled_inside(model, scaler):
+    return jaxscale.scale(scaler, mse(model(x), y))
+
+  if before == "traced_once":
+    loss_scaled_inside(model, scaler)
+  for _ in range(2):
+    with pytest.raises(ValueError, match="called `jaxscale.scale` and did not unscale"):
+      wrap(lambda m, s: jaxscale.flax.value_and_grad(loss_scaled_inside)(s, m, s))(model, scaler)
