@@ -32,6 +32,34 @@ class DynamicLossScalingState(NamedTuple):
   scaler: _scaler.ScalerState
   inner_state: optax.OptState
 
+  def __getattr__(self, name: str) -> Any:
+    # Only for names the state lacks: an attribute of the inner optimizer's state (the
+    # `hyperparams` of `optax.inject_hyperparams`) is named with the way to it.
+    if name.startswith("__"):
+      raise AttributeError(name)
+    found = _path_to_attribute(self.inner_state, name)
+    where = (
+        f"; the inner optimizer's state has it: `opt_state.inner_state{found}.{name}`" if found is not None
+        else "; the inner optimizer's state is `opt_state.inner_state`"
+    )
+    raise AttributeError(
+        f"`DynamicLossScalingState` has no attribute {name!r} (its fields are `scaler` and "
+        f"`inner_state`){where}."
+    )
+
+
+def _path_to_attribute(tree: Any, name: str, path: str = "") -> str | None:
+  """The ``keystr`` path to the first node of ``tree`` (depth first) that has attribute ``name``."""
+  if hasattr(tree, name):
+    return path
+  children = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
+  for key, child in children:
+    if child is not tree:
+      found = _path_to_attribute(child, name, path + jax.tree_util.keystr(key))
+      if found is not None:
+        return found
+  return None
+
 
 def dynamic_loss_scaling(
     inner: optax.GradientTransformation,
@@ -332,7 +360,9 @@ def _refuse_transformations_after(node) -> None:
   follows, and a momentum (``trace``) adds its velocity, a weight decay its ``wd * params``, a
   schedule counts the step. A transformation's state is a ``NamedTuple`` (``EmptyState()`` for a
   stateless one, which may be harmless, a clip, or not, a weight decay: they cannot be told
-  apart); the wrapper outermost is right for all, so every one after it is refused. A user's own
+  apart), or the ``()`` or ``None`` a transformation of the user's own may keep; the wrapper
+  outermost is right for all, so every one after it is refused, as is the wrapper around one
+  partition of an ``optax.multi_transform`` (the others step on its skipped steps). A user's own
   tuple (``(opt_state, params)``) holds no ``NamedTuple`` after the scaler, and passes. Older
   optax releases (0.2.5) keep ``named_chain``'s state in a plain dict, whose order ``jit`` sorts:
   it is not checked.
@@ -343,11 +373,22 @@ def _refuse_transformations_after(node) -> None:
     if len(holding) != 1:
       return
     i = holding[0]
+    if isinstance(node, optax.MultiTransformState) and len(node.inner_states) > 1:
+      raise ValueError(
+          "The optimizer state holds `dynamic_loss_scaling` around one partition of an "
+          "`optax.multi_transform` only: a skipped step is skipped only inside the wrapper, so the "
+          "other partitions still step on it (their momentum moves, their gradients, an inf among "
+          "them, reach the parameters). Wrap the whole `multi_transform`: "
+          "`dynamic_loss_scaling(optax.multi_transform({\"a\": optax.adam(1e-3), \"frozen\": "
+          "optax.set_to_zero()}, labels))`."
+      )
     chained = list(node) if type(node) is tuple else list(node.values()) if type(node) is OrderedDict else None
     if chained is not None:
       after = [x for child in chained[i + 1:] for x in jax.tree.leaves(child, is_leaf=_is_state) if _is_state(x)]
+      # A transformation of the user's own may keep `()` (or `None`) as its state: no leaves.
+      after += [x for x in chained[i + 1:] if x is None or (type(x) is tuple and not x)]
       if after:
-        names = ", ".join(dict.fromkeys(type(x).__name__ for x in after))
+        names = ", ".join(dict.fromkeys("()" if type(x) is tuple else type(x).__name__ for x in after))
         raise ValueError(
             f"The optimizer state holds a transformation after `dynamic_loss_scaling` in an "
             f"`optax.chain` (its state: {names}). A skipped step is skipped only inside the wrapper: "
