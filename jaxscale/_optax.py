@@ -83,13 +83,16 @@ def dynamic_loss_scaling(
   :func:`find_scaler` refuses a state with any transformation after the
   wrapper in an ``optax.chain``. float16 parameters that no
   :func:`jaxscale.master_weights` keeps in float32 are warned about when the
-  update is traced.
+  update is traced. So is an update given no ``finite`` flag (unless the
+  wrapper is built with ``enabled=False``): gradients that no gradient site
+  computed (plain ``jax.grad``, ``nnx.value_and_grad``) come from a loss that
+  nothing scaled, and float16 would train as if unscaled.
 
   Each update checks the gradients (inf and NaN survive exact unscaling, so
   this is the check of the scaled ones), ANDs the ``finite`` flag of the
-  gradient site when one is passed (``tx.update(grads, state, params,
-  finite=finite)``; Flax's ``TrainState.apply_gradients`` and
-  ``nnx.Optimizer.update``, which cannot pass it, lose nothing), and runs
+  gradient site (``tx.update(grads, state, params, finite=finite)``;
+  ``optimizer.update(model, grads, finite=finite)`` for an ``nnx.Optimizer``,
+  :func:`jaxscale.flax.apply_gradients` for a Linen ``TrainState``), and runs
   ``inner``. A step that is not finite is skipped: the updates are all zero
   (``-0.0``, so ``optax.apply_updates`` leaves every parameter bit for bit as
   it was) and ``inner``'s state, step count and learning-rate schedule do not
@@ -173,6 +176,8 @@ def dynamic_loss_scaling(
     if not enabled:
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
+    if finite is None:
+      _warn_without_gradient_site()
     # inf and NaN survive exact unscaling, so checking the true gradients is checking the
     # scaled ones; a flag from the gradient site (`jaxscale.value_and_grad`) is ANDed in.
     checked = _scaler.all_finite(updates, axis_name=axis_name)
@@ -188,6 +193,26 @@ def dynamic_loss_scaling(
     return updates, DynamicLossScalingState(_scaler.update(state.scaler, checked), inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _warn_without_gradient_site() -> None:
+  """Warns, at trace time, for an update given no ``finite`` flag: the gradient sites all return
+  one, and the likeliest reason for its absence is the first mistake of a newcomer who changed only
+  the optimizer line (``jax.grad`` kept: nothing scales the loss, and float16 trains as if unscaled,
+  with a scale that reads 65536 and never skips)."""
+  warnings.warn(
+      "jaxscale: `dynamic_loss_scaling`'s update got no `finite` flag, the sign of gradients that "
+      "no gradient site computed: from `jax.grad` or `nnx.value_and_grad` nothing scales the loss, "
+      "and float16 trains as if unscaled (small gradients flush to zero). Take them from "
+      "`jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params, ...)` (or "
+      "`jaxscale.flax.value_and_grad`, `jaxscale.equinox.filter_value_and_grad`) and pass its flag "
+      "on: `tx.update(grads, opt_state, params, finite=finite)`, `optimizer.update(model, grads, "
+      "finite=finite)` in NNX, `jaxscale.flax.apply_gradients(state, grads=grads, finite=finite)` "
+      "for a Linen TrainState. Without loss scaling, build the wrapper with `enabled=False` "
+      "(`enabled=jaxscale.needs_loss_scaling(policy)`).",
+      UserWarning,
+      stacklevel=3,
+  )
 
 
 def _warn_without_master(params, inner_state) -> None:

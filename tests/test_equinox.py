@@ -148,6 +148,7 @@ INNER = {
 
 @pytest.mark.parametrize("inner", INNER)
 @pytest.mark.parametrize("recipe", ["helper", "no_flag", "by_hand"])
+@pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")  # no_flag's
 def test_training_matches_the_unwrapped_optimizer_on_true_gradients(recipe, inner):
   make_inner, rtol = INNER[inner]
   data = batches()
