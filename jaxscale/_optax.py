@@ -172,7 +172,8 @@ def dynamic_loss_scaling(
       )
     require_own_state(state, DynamicLossScalingState, "dynamic_loss_scaling")
     _refuse_misspelt_finite(extra_args)
-    _warn_without_master(params, state.inner_state)
+    _warn_without_master(params, state.inner_state, lambda u, p: inner.update(u, state.inner_state, p, **extra_args)[0],
+                         updates)
     if not enabled:
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
@@ -215,17 +216,22 @@ def _warn_without_gradient_site() -> None:
   )
 
 
-def _warn_without_master(params, inner_state) -> None:
-  """Warns, at trace time, for float16 parameters that no ``master_weights`` keeps in float32:
-  ``inner``'s moments then live in float16 (Adam's second moment overflows at gradients of 256),
-  updates below half an ulp vanish, and the run soon goes NaN and skips every step."""
+def _warn_without_master(params, inner_state, inner_update, grads) -> None:
+  """Warns, at trace time, for float16 parameters that no ``master_weights`` keeps in float32 and
+  that ``inner_update`` (``inner``'s update, as a function of the gradients and the parameters)
+  changes: ``inner``'s moments then live in float16 (Adam's second moment overflows at gradients
+  of 256), updates below half an ulp vanish, and the run soon goes NaN and skips every step."""
   if params is None or any(
       type(x).__name__ == "MasterWeightsState"
       for x in jax.tree.leaves(inner_state, is_leaf=lambda x: type(x).__name__ == "MasterWeightsState")
   ):
     return
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  narrow = [jax.tree_util.keystr(path) for path, p in flat if getattr(p, "dtype", None) == jnp.float16]
+  narrow = [i for i, (_, p) in enumerate(flat) if getattr(p, "dtype", None) == jnp.float16]
+  if not narrow:
+    return
+  moving = _moving(inner_update, grads, params)
+  narrow = [jax.tree_util.keystr(flat[i][0]) for i in narrow if moving is None or moving[i]]
   if narrow:
     shown = ", ".join(narrow[:3]) + (", ..." if len(narrow) > 3 else "")
     warnings.warn(
@@ -238,6 +244,24 @@ def _warn_without_master(params, inner_state) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def _moving(inner_update, grads, params) -> list[bool] | None:
+  """For each leaf of ``params``: whether its update depends on the gradients or the parameters at
+  all (one frozen with ``optax.set_to_zero()`` in an ``optax.multi_transform`` gets a constant 0).
+  Read from the update's jaxpr, traced once more, abstractly; None where that trace fails (an
+  ``inner`` that needs arguments it was not given) or its updates do not mirror ``params``."""
+  try:
+    jaxpr = jax.make_jaxpr(inner_update)(grads, params).jaxpr
+  except Exception:  # advisory: every parameter then counts as moving
+    return None
+  live = {id(v) for v in jaxpr.invars}
+  for eqn in jaxpr.eqns:  # a nested program counts as one operation on all of its inputs
+    if any(id(v) in live for v in eqn.invars):
+      live.update(id(v) for v in eqn.outvars)
+  if len(jaxpr.outvars) != len(jax.tree.leaves(params)):
+    return None
+  return [id(v) in live for v in jaxpr.outvars]
 
 
 def require_own_state(state: Any, state_type: type, function: str) -> None:
