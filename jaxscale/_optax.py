@@ -179,6 +179,8 @@ def dynamic_loss_scaling(
       return updates, state._replace(inner_state=inner_state)
     if finite is None:
       _warn_without_gradient_site()
+    if axis_name is None:
+      _warn_if_decisions_part(updates, finite, state.scaler)
     # inf and NaN survive exact unscaling, so checking the true gradients is checking the
     # scaled ones; a flag from the gradient site (`jaxscale.value_and_grad`) is ANDed in.
     checked = _scaler.all_finite(updates, axis_name=axis_name)
@@ -194,6 +196,44 @@ def dynamic_loss_scaling(
     return updates, DynamicLossScalingState(_scaler.update(state.scaler, checked), inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _warn_if_decisions_part(updates, finite, scaler) -> None:
+  """Warns, at trace time, inside ``shard_map`` when the gradients differ between devices (FSDP
+  shards, or data-parallel gradients before their mean) over which the scaler is common, and
+  neither ``axis_name`` nor a flag reduced over them makes the skip decision common: each device
+  would then skip or step on its own, and their scales part. Seen through JAX's varying-axes types
+  (``shard_map`` with its default ``check_vma=True``); ``pmap`` has none, and is not seen."""
+  own = _varying_axes(scaler)  # axes over which the scalers are the devices' own already
+  varying = _varying_axes(updates) - own
+  if finite is not None:
+    varying &= _varying_axes(finite)
+  if not varying:
+    return
+  axes = ", ".join(repr(a) for a in sorted(varying, key=str))
+  warnings.warn(
+      f"jaxscale: `dynamic_loss_scaling`'s update got gradients that differ between the devices of "
+      f"the mapped axes {axes} and no `axis_name`: each device would skip or step on its own "
+      f"gradients alone, and their scales part. Build it with `dynamic_loss_scaling(inner, "
+      f"axis_name={axes if len(varying) == 1 else '(' + axes + ')'})` (or pass a flag reduced over "
+      "them, `jaxscale.value_and_grad(loss_fn, axis_name=...)`'s).",
+      UserWarning,
+      stacklevel=4,
+  )
+
+
+def _varying_axes(tree) -> frozenset:
+  """The ``shard_map`` axes along which some leaf of ``tree`` differs between devices, as its
+  abstract value says (``.vma`` up to jax 0.8, ``.mat.varying`` since); none where it says nothing."""
+  typeof = getattr(jax, "typeof", None)
+  if typeof is None:
+    return frozenset()
+  axes: set = set()
+  for leaf in jax.tree.leaves(tree):
+    aval = typeof(leaf)
+    mat = getattr(aval, "mat", None)
+    axes.update((getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)) or ())
+  return frozenset(axes)
 
 
 def _warn_without_gradient_site() -> None:
