@@ -559,7 +559,7 @@ def test_an_nnx_model_with_float16_parameters_and_no_master_warns():
   def step(model, optimizer, x):
     loss = lambda model: jnp.mean(model(x).astype(jnp.float32) ** 2)
     _, grads, finite = jaxscale.flax.value_and_grad(loss)(jaxscale.find_scaler(optimizer.opt_state), model)
-    optimizer.update(model, grads)
+    optimizer.update(model, grads, finite=finite)
 
   with pytest.warns(UserWarning, match=FLOAT16_NO_MASTER):
     step(model, optimizer, jnp.ones((4, 2)))
