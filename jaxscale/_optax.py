@@ -218,7 +218,7 @@ def _warn_if_decisions_part(updates, finite, scaler) -> None:
       f"axis_name={axes if len(varying) == 1 else '(' + axes + ')'})` (or pass a flag reduced over "
       "them, `jaxscale.value_and_grad(loss_fn, axis_name=...)`'s).",
       UserWarning,
-      stacklevel=4,
+      stacklevel=3,
   )
 
 
