@@ -179,8 +179,6 @@ def dynamic_loss_scaling(
       return updates, state._replace(inner_state=inner_state)
     if finite is None:
       _warn_without_gradient_site()
-    if axis_name is None:
-      _warn_if_decisions_part(updates, finite, state.scaler)
     # inf and NaN survive exact unscaling, so checking the true gradients is checking the
     # scaled ones; a flag from the gradient site (`jaxscale.value_and_grad`) is ANDed in.
     checked = _scaler.all_finite(updates, axis_name=axis_name)
@@ -189,6 +187,8 @@ def dynamic_loss_scaling(
       if axis_name is not None:  # each device may have checked only its own gradients
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
       checked = checked & finite
+    if axis_name is None:
+      _warn_if_decisions_part(updates, finite, state.scaler)
     checked = checked & ~state.scaler.stalled
     updates, inner_state = _skip.update_or_keep(
         checked, lambda u, s, p: inner.update(u, s, p, **extra_args), updates, state.inner_state, params
@@ -206,7 +206,7 @@ def _warn_if_decisions_part(updates, finite, scaler) -> None:
   (``shard_map`` with its default ``check_vma=True``); ``pmap`` has none, and is not seen."""
   own = _varying_axes(scaler)  # axes over which the scalers are the devices' own already
   varying = _varying_axes(updates) - own
-  if finite is not None:
+  if varying and finite is not None:
     varying &= _varying_axes(finite)
   if not varying:
     return
