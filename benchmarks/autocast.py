@@ -64,8 +64,8 @@ def variants(args):
 def make_step(loss, tx):
   def step(params, opt_state, windows):
     scaler = jaxscale.find_scaler(opt_state)
-    grads = jax.grad(lambda p: jaxscale.scale(scaler, loss(p, windows)))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    _, grads, finite = jaxscale.value_and_grad(loss)(scaler, params, windows)  # true gradients
+    updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
     return optax.apply_updates(params, updates), opt_state
 
   return step

@@ -24,6 +24,7 @@ from flax.training import train_state
 from sklearn.datasets import load_digits
 
 import jaxscale
+import jaxscale.flax
 
 import _common  # examples/, on the path when this file runs as a script
 
@@ -52,7 +53,8 @@ def cross_entropy(state, params, images, labels):
 
 
 def make_train_step(loss_weight: float, traces: _common.TraceCounter):
-  """The Linen recipe: ``jaxscale.value_and_grad`` with the scaler in ``opt_state``, then ``apply_gradients``."""
+  """The Linen recipe: ``jaxscale.value_and_grad`` with the scaler in ``opt_state``, then
+  ``jaxscale.flax.apply_gradients``."""
 
   @jax.jit
   @traces
@@ -63,8 +65,9 @@ def make_train_step(loss_weight: float, traces: _common.TraceCounter):
 
     scaler = jaxscale.find_scaler(state.opt_state)
     # Scales the loss, differentiates, unscales and checks: `grads` are the true gradients.
-    (_, loss), grads, _ = jaxscale.value_and_grad(weighted_loss, has_aux=True)(scaler, state.params)
-    state = state.apply_gradients(grads=grads)  # tx.update checks them too, and skips the step on inf/NaN
+    (_, loss), grads, finite = jaxscale.value_and_grad(weighted_loss, has_aux=True)(scaler, state.params)
+    # Flax's `apply_gradients` with the flag passed on: the step is skipped on an inf or a NaN.
+    state = jaxscale.flax.apply_gradients(state, grads=grads, finite=finite)
     return state, (loss, jaxscale.metrics(state.opt_state))
 
   return train_step

@@ -90,8 +90,9 @@ def plain(dtype, loss_scaling):
 
 
 def linen():
-  """``TrainState.apply_gradients(grads=grads)`` with the true gradients of ``jaxscale.value_and_grad``:
-  ``tx.update`` checks them again and skips the step on an inf or a NaN."""
+  """``jaxscale.flax.apply_gradients`` (Flax's ``apply_gradients``, the finite flag passed on) with the
+  true gradients of ``jaxscale.value_and_grad``: the step is skipped on an inf or a NaN."""
+  import jaxscale.flax
   from flax import linen as nn
   from flax.training import train_state
 
@@ -110,8 +111,8 @@ def linen():
   @jax.jit
   def train_step(state, x, y):
     loss_fn = lambda p: weighted_mse(state.apply_fn(p, x), y)
-    _, grads, _ = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(state.opt_state), state.params)
-    return state.apply_gradients(grads=grads)  # true gradients: tx.update checks them and skips on inf/NaN
+    _, grads, finite = jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(state.opt_state), state.params)
+    return jaxscale.flax.apply_gradients(state, grads=grads, finite=finite)  # skips the step on inf/NaN
 
   for x, y in batches():
     state = train_step(state, x, y)

@@ -74,12 +74,13 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
     )
     _scaler.warn_if_constant(state, (args, kwargs), "value_and_grad")
     _refuse_scaling_in_trace(fun, args, kwargs)
+    called = python_of(fun)
 
     def scaled_fun(*args, **kwargs):
       uses = {"scale": 0, "unscale": 0}
       token = _scaler.uses_here.set(uses)
       try:
-        out = fun(*args, **kwargs)
+        out = called(*args, **kwargs)
       finally:
         _scaler.uses_here.reset(token)
       _scaler.refuse_scaling_inside(uses)
@@ -90,6 +91,14 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
         raise TypeError(
             f"With `has_aux=True`, `fun` must return a pair `(loss, aux)`, as for `jax.grad`; it returned {what}."
         )
+      if not has_aux and isinstance(out, (tuple, list)):
+        # Scaled whole, the pair would reach `grad` as a non-scalar output, and JAX's error would
+        # show the loss and the aux multiplied by the scale.
+        raise TypeError(
+            f"`fun` returned a {type(out).__name__} of {len(out)} items, not a scalar loss; if it returns "
+            "`(loss, aux)`, pass `has_aux=True`: `jaxscale.value_and_grad(fun, has_aux=True)` (in "
+            "`jaxscale.flax.value_and_grad` and `jaxscale.equinox.filter_value_and_grad` too)."
+        )
       return _scaler.scale_unchecked(state, out[0] if has_aux else out), out
 
     grads, value = grad(scaled_fun, argnums=argnums, has_aux=True)(*args, **kwargs)
@@ -99,6 +108,32 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
   return wrapped
 
 
+def python_of(fun):
+  """``fun``, or the Python function that a jit wrapper other than ``jax.jit`` wraps (Equinox's
+  ``filter_jit``, Flax's ``nnx.jit``), with any ``functools.partial`` around it kept.
+
+  Called again, such a wrapper reuses its cached trace and runs no Python, so a ``jaxscale.scale``
+  inside it would go uncounted; and its jaxpr cannot be read as ``jax.jit``'s is (``nnx.jit``'s
+  ``trace`` fills its cache, then returns Flax's own type). Its Python function, traced inside the
+  gradient site, is the same computation: under the step's ``jit`` the inner ``jit`` would have
+  been inlined anyway.
+  """
+  if isinstance(fun, functools.partial):
+    inner = python_of(fun.func)
+    return fun if inner is fun.func else functools.partial(inner, *fun.args, **fun.keywords)
+  while _is_other_jit(fun):
+    fun = fun.__wrapped__
+  return fun
+
+
+def _is_other_jit(fun) -> bool:
+  wraps = callable(getattr(fun, "lower", None)) and callable(getattr(fun, "__wrapped__", None))
+  return wraps and not isinstance(fun, _JAX_JIT)
+
+
+_JAX_JIT = type(jax.jit(abs))
+
+
 def _refuse_scaling_in_trace(fun, args, kwargs) -> None:
   """:func:`_scaler.refuse_scaling_inside` for a ``fun`` jitted on its own (``jax.jit(loss)``, or a
   ``functools.partial`` of one), read from its jaxpr: traced before, it runs no Python when called
@@ -106,11 +141,10 @@ def _refuse_scaling_in_trace(fun, args, kwargs) -> None:
   show what it does. ``trace`` reuses JAX's cached trace, so this costs no second trace."""
   while isinstance(fun, functools.partial):
     fun, args, kwargs = fun.func, (*fun.args, *args), {**fun.keywords, **kwargs}
-  trace = getattr(fun, "trace", None)
-  if not callable(trace) or not callable(getattr(fun, "lower", None)):
+  if not isinstance(fun, _JAX_JIT):
     return
   try:
-    traced: Any = trace(*args, **kwargs)
+    traced: Any = fun.trace(*args, **kwargs)
     closed = traced.jaxpr
   except Exception:  # the call itself, under `grad`, raises whatever is wrong
     return

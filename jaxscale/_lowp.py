@@ -35,6 +35,7 @@ stored state and the key bit for bit as they were.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -222,7 +223,9 @@ def _changing(inner, inner_state, params) -> list[bool]:
       changing[:] = [new is not old for new, old in zip(new_leaves, leaves)]
 
   try:
-    jax.eval_shape(probe, leaves, plain(params))
+    with warnings.catch_warnings():  # the probe's trace is not the user's step: its warnings are not theirs
+      warnings.simplefilter("ignore")
+      jax.eval_shape(probe, leaves, plain(params))
   except Exception:  # the probe is advisory (see the docstring)
     pass
   return changing

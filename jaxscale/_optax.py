@@ -32,6 +32,34 @@ class DynamicLossScalingState(NamedTuple):
   scaler: _scaler.ScalerState
   inner_state: optax.OptState
 
+  def __getattr__(self, name: str) -> Any:
+    # Only for names the state lacks: an attribute of the inner optimizer's state (the
+    # `hyperparams` of `optax.inject_hyperparams`) is named with the way to it.
+    if name.startswith("__"):
+      raise AttributeError(name)
+    found = _path_to_attribute(self.inner_state, name)
+    where = (
+        f"; the inner optimizer's state has it: `opt_state.inner_state{found}.{name}`" if found is not None
+        else "; the inner optimizer's state is `opt_state.inner_state`"
+    )
+    raise AttributeError(
+        f"`DynamicLossScalingState` has no attribute {name!r} (its fields are `scaler` and "
+        f"`inner_state`){where}."
+    )
+
+
+def _path_to_attribute(tree: Any, name: str, path: str = "") -> str | None:
+  """The ``keystr`` path to the first node of ``tree`` (depth first) that has attribute ``name``."""
+  if hasattr(tree, name):
+    return path
+  children = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
+  for key, child in children:
+    if child is not tree:
+      found = _path_to_attribute(child, name, path + jax.tree_util.keystr(key))
+      if found is not None:
+        return found
+  return None
+
 
 def dynamic_loss_scaling(
     inner: optax.GradientTransformation,
@@ -55,13 +83,16 @@ def dynamic_loss_scaling(
   :func:`find_scaler` refuses a state with any transformation after the
   wrapper in an ``optax.chain``. float16 parameters that no
   :func:`jaxscale.master_weights` keeps in float32 are warned about when the
-  update is traced.
+  update is traced. So is an update given no ``finite`` flag (unless the
+  wrapper is built with ``enabled=False``): gradients that no gradient site
+  computed (plain ``jax.grad``, ``nnx.value_and_grad``) come from a loss that
+  nothing scaled, and float16 would train as if unscaled.
 
   Each update checks the gradients (inf and NaN survive exact unscaling, so
   this is the check of the scaled ones), ANDs the ``finite`` flag of the
-  gradient site when one is passed (``tx.update(grads, state, params,
-  finite=finite)``; Flax's ``TrainState.apply_gradients`` and
-  ``nnx.Optimizer.update``, which cannot pass it, lose nothing), and runs
+  gradient site (``tx.update(grads, state, params, finite=finite)``;
+  ``optimizer.update(model, grads, finite=finite)`` for an ``nnx.Optimizer``,
+  :func:`jaxscale.flax.apply_gradients` for a Linen ``TrainState``), and runs
   ``inner``. A step that is not finite is skipped: the updates are all zero
   (``-0.0``, so ``optax.apply_updates`` leaves every parameter bit for bit as
   it was) and ``inner``'s state, step count and learning-rate schedule do not
@@ -141,10 +172,13 @@ def dynamic_loss_scaling(
       )
     require_own_state(state, DynamicLossScalingState, "dynamic_loss_scaling")
     _refuse_misspelt_finite(extra_args)
-    _warn_without_master(params, state.inner_state)
+    _warn_without_master(params, state.inner_state, lambda u, p: inner.update(u, state.inner_state, p, **extra_args)[0],
+                         updates)
     if not enabled:
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
+    if finite is None:
+      _warn_without_gradient_site()
     # inf and NaN survive exact unscaling, so checking the true gradients is checking the
     # scaled ones; a flag from the gradient site (`jaxscale.value_and_grad`) is ANDed in.
     checked = _scaler.all_finite(updates, axis_name=axis_name)
@@ -153,6 +187,8 @@ def dynamic_loss_scaling(
       if axis_name is not None:  # each device may have checked only its own gradients
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
       checked = checked & finite
+    if axis_name is None:
+      _warn_if_decisions_part(updates, finite, state.scaler)
     checked = checked & ~state.scaler.stalled
     updates, inner_state = _skip.update_or_keep(
         checked, lambda u, s, p: inner.update(u, s, p, **extra_args), updates, state.inner_state, params
@@ -162,17 +198,80 @@ def dynamic_loss_scaling(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _warn_without_master(params, inner_state) -> None:
-  """Warns, at trace time, for float16 parameters that no ``master_weights`` keeps in float32:
-  ``inner``'s moments then live in float16 (Adam's second moment overflows at gradients of 256),
-  updates below half an ulp vanish, and the run soon goes NaN and skips every step."""
+def _warn_if_decisions_part(updates, finite, scaler) -> None:
+  """Warns, at trace time, inside ``shard_map`` when the gradients differ between devices (FSDP
+  shards, or data-parallel gradients before their mean) over which the scaler is common, and
+  neither ``axis_name`` nor a flag reduced over them makes the skip decision common: each device
+  would then skip or step on its own, and their scales part. Seen through JAX's varying-axes types
+  (``shard_map`` with its default ``check_vma=True``); ``pmap`` has none, and is not seen."""
+  own = _varying_axes(scaler)  # axes over which the scalers are the devices' own already
+  varying = _varying_axes(updates) - own
+  if varying and finite is not None:
+    varying &= _varying_axes(finite)
+  if not varying:
+    return
+  axes = ", ".join(repr(a) for a in sorted(varying, key=str))
+  warnings.warn(
+      f"jaxscale: `dynamic_loss_scaling`'s update got gradients that differ between the devices of "
+      f"the mapped axes {axes} and no `axis_name`: each device would skip or step on its own "
+      f"gradients alone, and their scales part. Build it with `dynamic_loss_scaling(inner, "
+      f"axis_name={axes if len(varying) == 1 else '(' + axes + ')'})` (or pass a flag reduced over "
+      "them, `jaxscale.value_and_grad(loss_fn, axis_name=...)`'s).",
+      UserWarning,
+      stacklevel=3,
+  )
+
+
+def _varying_axes(tree) -> frozenset:
+  """The ``shard_map`` axes along which some leaf of ``tree`` differs between devices, as its
+  abstract value says (``.vma`` up to jax 0.8, ``.mat.varying`` since); none where it says nothing."""
+  typeof = getattr(jax, "typeof", None)
+  if typeof is None:
+    return frozenset()
+  axes: set = set()
+  for leaf in jax.tree.leaves(tree):
+    aval = typeof(leaf)
+    mat = getattr(aval, "mat", None)
+    axes.update((getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)) or ())
+  return frozenset(axes)
+
+
+def _warn_without_gradient_site() -> None:
+  """Warns, at trace time, for an update given no ``finite`` flag: the gradient sites all return
+  one, and the likeliest reason for its absence is the first mistake of a newcomer who changed only
+  the optimizer line (``jax.grad`` kept: nothing scales the loss, and float16 trains as if unscaled,
+  with a scale that reads 65536 and never skips)."""
+  warnings.warn(
+      "jaxscale: `dynamic_loss_scaling`'s update got no `finite` flag, the sign of gradients that "
+      "no gradient site computed: from `jax.grad` or `nnx.value_and_grad` nothing scales the loss, "
+      "and float16 trains as if unscaled (small gradients flush to zero). Take them from "
+      "`jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params, ...)` (or "
+      "`jaxscale.flax.value_and_grad`, `jaxscale.equinox.filter_value_and_grad`) and pass its flag "
+      "on: `tx.update(grads, opt_state, params, finite=finite)`, `optimizer.update(model, grads, "
+      "finite=finite)` in NNX, `jaxscale.flax.apply_gradients(state, grads=grads, finite=finite)` "
+      "for a Linen TrainState. Without loss scaling, build the wrapper with `enabled=False` "
+      "(`enabled=jaxscale.needs_loss_scaling(policy)`).",
+      UserWarning,
+      stacklevel=3,
+  )
+
+
+def _warn_without_master(params, inner_state, inner_update, grads) -> None:
+  """Warns, at trace time, for float16 parameters that no ``master_weights`` keeps in float32 and
+  that ``inner_update`` (``inner``'s update, as a function of the gradients and the parameters)
+  changes: ``inner``'s moments then live in float16 (Adam's second moment overflows at gradients
+  of 256), updates below half an ulp vanish, and the run soon goes NaN and skips every step."""
   if params is None or any(
       type(x).__name__ == "MasterWeightsState"
       for x in jax.tree.leaves(inner_state, is_leaf=lambda x: type(x).__name__ == "MasterWeightsState")
   ):
     return
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  narrow = [jax.tree_util.keystr(path) for path, p in flat if getattr(p, "dtype", None) == jnp.float16]
+  narrow = [i for i, (_, p) in enumerate(flat) if getattr(p, "dtype", None) == jnp.float16]
+  if not narrow:
+    return
+  moving = _moving(inner_update, grads, params)
+  narrow = [jax.tree_util.keystr(flat[i][0]) for i in narrow if moving is None or moving[i]]
   if narrow:
     shown = ", ".join(narrow[:3]) + (", ..." if len(narrow) > 3 else "")
     warnings.warn(
@@ -185,6 +284,24 @@ def _warn_without_master(params, inner_state) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def _moving(inner_update, grads, params) -> list[bool] | None:
+  """For each leaf of ``params``: whether its update depends on the gradients or the parameters at
+  all (one frozen with ``optax.set_to_zero()`` in an ``optax.multi_transform`` gets a constant 0).
+  Read from the update's jaxpr, traced once more, abstractly; None where that trace fails (an
+  ``inner`` that needs arguments it was not given) or its updates do not mirror ``params``."""
+  try:
+    jaxpr = jax.make_jaxpr(inner_update)(grads, params).jaxpr
+  except Exception:  # advisory: every parameter then counts as moving
+    return None
+  live = {id(v) for v in jaxpr.invars}
+  for eqn in jaxpr.eqns:  # a nested program counts as one operation on all of its inputs
+    if any(id(v) in live for v in eqn.invars):
+      live.update(id(v) for v in eqn.outvars)
+  if len(jaxpr.outvars) != len(jax.tree.leaves(params)):
+    return None
+  return [id(v) in live for v in jaxpr.outvars]
 
 
 def require_own_state(state: Any, state_type: type, function: str) -> None:
@@ -332,7 +449,9 @@ def _refuse_transformations_after(node) -> None:
   follows, and a momentum (``trace``) adds its velocity, a weight decay its ``wd * params``, a
   schedule counts the step. A transformation's state is a ``NamedTuple`` (``EmptyState()`` for a
   stateless one, which may be harmless, a clip, or not, a weight decay: they cannot be told
-  apart); the wrapper outermost is right for all, so every one after it is refused. A user's own
+  apart), or the ``()`` or ``None`` a transformation of the user's own may keep; the wrapper
+  outermost is right for all, so every one after it is refused, as is the wrapper around one
+  partition of an ``optax.multi_transform`` (the others step on its skipped steps). A user's own
   tuple (``(opt_state, params)``) holds no ``NamedTuple`` after the scaler, and passes. Older
   optax releases (0.2.5) keep ``named_chain``'s state in a plain dict, whose order ``jit`` sorts:
   it is not checked.
@@ -343,11 +462,22 @@ def _refuse_transformations_after(node) -> None:
     if len(holding) != 1:
       return
     i = holding[0]
+    if isinstance(node, optax.MultiTransformState) and len(node.inner_states) > 1:
+      raise ValueError(
+          "The optimizer state holds `dynamic_loss_scaling` around one partition of an "
+          "`optax.multi_transform` only: a skipped step is skipped only inside the wrapper, so the "
+          "other partitions still step on it (their momentum moves, their gradients, an inf among "
+          "them, reach the parameters). Wrap the whole `multi_transform`: "
+          "`dynamic_loss_scaling(optax.multi_transform({\"a\": optax.adam(1e-3), \"frozen\": "
+          "optax.set_to_zero()}, labels))`."
+      )
     chained = list(node) if type(node) is tuple else list(node.values()) if type(node) is OrderedDict else None
     if chained is not None:
       after = [x for child in chained[i + 1:] for x in jax.tree.leaves(child, is_leaf=_is_state) if _is_state(x)]
+      # A transformation of the user's own may keep `()` (or `None`) as its state: no leaves.
+      after += [x for x in chained[i + 1:] if x is None or (type(x) is tuple and not x)]
       if after:
-        names = ", ".join(dict.fromkeys(type(x).__name__ for x in after))
+        names = ", ".join(dict.fromkeys("()" if type(x) is tuple else type(x).__name__ for x in after))
         raise ValueError(
             f"The optimizer state holds a transformation after `dynamic_loss_scaling` in an "
             f"`optax.chain` (its state: {names}). A skipped step is skipped only inside the wrapper: "

@@ -105,8 +105,10 @@ def filter_value_and_grad(
     del argnums  # eqx.filter_grad differentiates the first argument
     return eqx.filter_grad(scaled_fun, has_aux=has_aux)
 
+  called = _grad.python_of(fun)
+
   def checked_fun(*args, **kwargs):
-    out = fun(*args, **kwargs)
+    out = called(*args, **kwargs)
     if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise TypeError(
           "With `has_aux=True`, `fun` must return a pair `(loss, aux)`; it returned "

@@ -8,7 +8,8 @@ Variables). Modules compute in float16 and keep float32 parameters with
 ``dtype=jnp.float16, param_dtype=jnp.float32``.
 
 Linen: :func:`jaxscale.value_and_grad` is the gradient site (it scales the
-loss, differentiates and unscales), and ``apply_gradients`` takes the true
+loss, differentiates and unscales), and :func:`apply_gradients` (Flax's
+``TrainState.apply_gradients``, with the finite flag passed on) takes the true
 gradients, checks them, and skips the step on an inf or a NaN:
 
 >>> import jax, jax.numpy as jnp, optax, jaxscale, jaxscale.flax
@@ -27,7 +28,7 @@ gradients, checks them, and skips the step on an inf or a NaN:
 ...     return jnp.mean((pred - y) ** 2)
 ...   scaler = jaxscale.find_scaler(state.opt_state)
 ...   loss, grads, finite = jaxscale.value_and_grad(loss_fn)(scaler, state.params)
-...   return state.apply_gradients(grads=grads), loss
+...   return jaxscale.flax.apply_gradients(state, grads=grads, finite=finite), loss
 >>> for _ in range(5):
 ...   state, loss = train_step(state, x, y)
 >>> scaler = jaxscale.find_scaler(state.opt_state)  # 2**16 overflowed float16 3 times
@@ -74,9 +75,11 @@ step, so the applied steps are ``step - find_scaler(opt_state).skipped_steps``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import optax
 
 try:
   from flax import nnx
@@ -128,6 +131,42 @@ def value_and_grad(
   """
 
   return _grad.value_and_grad_with(nnx.grad, fun, argnums, has_aux, axis_name)
+
+
+def apply_gradients(state: Any, *, grads: Any, finite: jax.typing.ArrayLike, **kwargs: Any) -> Any:
+  """``state.apply_gradients(grads=grads)`` for a Linen ``TrainState``, with the finite flag.
+
+  Flax's ``TrainState.apply_gradients`` calls ``tx.update(grads, opt_state,
+  params)`` and has no way to pass ``finite=`` on: this runs it with ``tx``'s
+  update given the flag of the gradient site (:func:`jaxscale.value_and_grad`),
+  and is otherwise Flax's own (the step counts up, ``kwargs`` replace other
+  fields).
+
+  Args:
+    state: a ``flax.training.train_state.TrainState`` (or a subclass) whose
+      ``tx`` holds a :func:`jaxscale.dynamic_loss_scaling`.
+    grads: the true gradients, from :func:`jaxscale.value_and_grad`.
+    finite: its finite flag.
+    **kwargs: other fields to replace, as in ``TrainState.apply_gradients``.
+
+  Returns:
+    The next ``TrainState``; on a step that is not finite, its parameters and
+    inner optimizer state are those of ``state``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxscale, jaxscale.flax
+    >>> from flax.training import train_state
+    >>> state = train_state.TrainState.create(
+    ...     apply_fn=None, params={"w": jnp.ones(2)}, tx=jaxscale.dynamic_loss_scaling(optax.sgd(0.5)))
+    >>> scaler = jaxscale.find_scaler(state.opt_state)
+    >>> loss_fn = lambda params: jnp.sum(params["w"] ** 2)
+    >>> loss, grads, finite = jaxscale.value_and_grad(loss_fn)(scaler, state.params)
+    >>> jaxscale.flax.apply_gradients(state, grads=grads, finite=finite).params["w"]
+    Array([0., 0.], dtype=float32)
+  """
+  tx = state.tx
+  with_flag = optax.GradientTransformation(tx.init, functools.partial(tx.update, finite=finite))
+  return state.replace(tx=with_flag).apply_gradients(grads=grads, **kwargs).replace(tx=tx)
 
 
 def from_dynamic_scale(dynamic_scale: Any, **init_options: Any) -> _scaler.ScalerState:

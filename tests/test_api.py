@@ -52,6 +52,7 @@ def public_callables():
   # Constants (HISTOGRAM_EXPONENTS) are documented where they are used.
   named = {name: getattr(jaxscale, name) for name in jaxscale.__all__ if callable(getattr(jaxscale, name))}
   named["flax.value_and_grad"] = jaxscale.flax.value_and_grad
+  named["flax.apply_gradients"] = jaxscale.flax.apply_gradients
   named["equinox.filter_value_and_grad"] = jaxscale.equinox.filter_value_and_grad
   return named
 

@@ -34,6 +34,10 @@ import jaxscale
 from _bitwise import as_numpy, assert_bitwise_equal
 from _jit import compilations
 
+# These tests hand the wrapper gradients of their own making, with no gradient site: the warning
+# for an update without its `finite` flag is tested in tests/test_contract.py.
+pytestmark = pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")
+
 # Positive parameters, so positive gradients: optax 0.2.5's scale_by_distance_over_gradients takes
 # the square root of the gradients, and a NaN parameter would make the wrapper skip (rightly).
 PARAMS = {"w": jnp.linspace(0.25, 1.0, 12, dtype=jnp.float32).reshape(3, 4), "b": jnp.linspace(0.5, 2.0, 4)}

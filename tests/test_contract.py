@@ -11,6 +11,7 @@ gradients or stops after an overflow is far outside the bound.
 """
 
 import functools
+import re
 import warnings
 
 import jax
@@ -129,7 +130,10 @@ STEPS_FNS = {
 @pytest.mark.parametrize("step_fn", STEPS_FNS.values(), ids=STEPS_FNS.keys())
 def test_every_gradient_site_trains_like_the_reference_through_an_overflow(step_fn, wrap):
   poison = (3, 20)
-  params, opt_state = train(jaxscale.dynamic_loss_scaling(SGD(), **OPTIONS), step_fn, wrap, poison_at=poison)
+  with warnings.catch_warnings():
+    # The steps without a flag are warned about (below); the wrapper's own check still decides.
+    warnings.filterwarnings("ignore", NO_FLAG)
+    params, opt_state = train(jaxscale.dynamic_loss_scaling(SGD(), **OPTIONS), step_fn, wrap, poison_at=poison)
   assert_trains_like(final_loss(params), reference(SGD(), poison_at=poison))
   assert int(jaxscale.find_scaler(opt_state).skipped_steps) >= len(poison)
   assert final_loss(PARAMS) > 100 * reference(SGD())  # the bound separates trained from untrained
@@ -201,6 +205,7 @@ def test_a_pmean_over_devices_trains_like_the_reference():
   assert_trains_like(final_loss({"w": params["w"][0]}), reference(SGD(), poison_at=(7,)))
 
 
+NO_FLAG = "jaxscale: `dynamic_loss_scaling`'s update got no `finite` flag"
 SCALER_4 = jaxscale.init(init_scale=4.0)  # built outside any trace: no warning of its own
 
 
@@ -336,10 +341,13 @@ def test_a_scaler_closed_over_by_a_hand_written_site_warns_at_jaxscale_scale():
 
   with pytest.warns(UserWarning) as record:
     jax.jit(step)(PARAMS, opt_state, X, Y)
-  assert [str(w.message) for w in record] == [CONSTANT_SCALER.replace("`value_and_grad`", "`scale`")]
+  assert [str(w.message) for w in record][:1] == [CONSTANT_SCALER.replace("`value_and_grad`", "`scale`")]
   assert record[0].filename == __file__  # it points at the user's line
+  # ... and the update without a flag says where the flag comes from.
+  assert [bool(re.match(NO_FLAG, str(w.message))) for w in record] == [False, True]
   with warnings.catch_warnings():
     warnings.simplefilter("error")
+    warnings.filterwarnings("ignore", NO_FLAG)
     step(PARAMS, opt_state, X, Y)
     # Passed in, the scaler is traced: not a word.
     jax.jit(lambda p, s, x, y, scaler: jax.grad(lambda p: jaxscale.scale(scaler, loss_fn(p, x, y)))(p))(
@@ -472,7 +480,7 @@ def test_gradients_of_16_bit_parameters_are_float32_and_keep_what_only_the_scale
   np.testing.assert_array_equal(grads, 2.0**-30)
   tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.sgd(1.0)))
   state = tx.init(params)
-  _, state = tx.update(grads, state, params)
+  _, state = tx.update(grads, state, params, finite=finite)
   np.testing.assert_array_equal(state.master, -(2.0**-30))
 
 
@@ -497,3 +505,29 @@ def test_holomorphic_and_allow_int_reach_jax_grad():
   assert grad_n.dtype == expected_n.dtype == jax.dtypes.float0 and bool(finite)
   with pytest.raises(TypeError, match="allow_int"):  # as jax.grad says it, without the flag
     jaxscale.value_and_grad(weighted, argnums=(0, 1))(scaler, jnp.ones(2), jnp.arange(2))
+
+
+@pytest.mark.parametrize("wrap", JIT.values(), ids=JIT.keys())
+def test_an_update_without_a_flag_from_a_gradient_site_warns_unless_disabled(wrap):
+  # The first mistake of a newcomer: `jax.grad` kept, only the optimizer line changed. Nothing
+  # scales the loss; the scale reads 65536 and no step is skipped. The update, given no flag, says
+  # where the flag comes from, each time a step is traced, whatever ran before.
+  for _ in range(2):
+    tx = jaxscale.dynamic_loss_scaling(SGD())
+
+    def kept_jax_grad(params, opt_state, x, y):
+      updates, opt_state = tx.update(jax.grad(loss_fn)(params, x, y), opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    with pytest.warns(UserWarning) as record:
+      _, opt_state = wrap(kept_jax_grad)(PARAMS, tx.init(PARAMS), X, Y)
+    assert [str(w.message)[:len(NO_FLAG)] for w in record] == [NO_FLAG] * len(record) and record
+    assert "jaxscale.value_and_grad(loss_fn)(jaxscale.find_scaler(opt_state), params, ...)" in str(record[0].message)
+    assert record[0].filename == __file__  # it points at the user's line
+    assert float(jaxscale.find_scaler(opt_state).scale) == 2.0**16  # silent otherwise: nothing skipped
+  # The documented step, and a wrapper built with loss scaling off, say nothing.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    train(jaxscale.dynamic_loss_scaling(SGD(), **OPTIONS), recommended_step, wrap)
+    off = jaxscale.dynamic_loss_scaling(SGD(), enabled=False)
+    wrap(lambda p, s: off.update(jax.grad(loss_fn)(p, X, Y), s, p))(PARAMS, off.init(PARAMS))

@@ -151,3 +151,26 @@ def test_marks_are_read_and_checked(tmp_path):
     run_page(page, "page.md")
   page.write_text("```python\nprint(1, 2.25)\n```\n<!-- expected output -->\n```text\n1   2...\n```\n")
   assert run_page(page, "page.md") == []
+
+
+@pytest.mark.parametrize("spec", ["mixed_float16", "mixed_bfloat16", "float32", "mixed_float8"])
+def test_the_any_precision_script_scales_the_loss_exactly_when_its_policy_needs_it(spec):
+  # docs/float8.md's "one script that runs in any precision", run under each policy it offers. A
+  # scale of 2**120 makes any scaled float16 backward overflow: the step must then be skipped when
+  # the policy computes in float16 (its loss is scaled) and taken otherwise (nothing to scale).
+  import jaxscale
+
+  page = ROOT / "docs" / "float8.md"
+  setup, script = [b for b in blocks(page.read_text()) if b.language == "python"][:2]
+  namespace: dict = {}
+  with contextlib.redirect_stdout(io.StringIO()):
+    exec(setup.code, namespace)
+    namespace["policy"] = jaxscale.get_policy(spec)
+    namespace["cast_loss"] = jaxscale.autocast(namespace["loss"], namespace["policy"])
+    exec(script.code, namespace)
+  opt_state, step = namespace["opt_state"], namespace["step"]
+  scaler = jaxscale.find_scaler(opt_state)
+  huge = opt_state._replace(scaler=jaxscale.configure(scaler, scale=2.0**120))
+  _, after, _ = step(namespace["params"], huge)
+  skipped = int(jaxscale.find_scaler(after).skipped_steps) - int(scaler.skipped_steps)
+  assert skipped == int(jaxscale.needs_loss_scaling(spec))

@@ -148,6 +148,7 @@ INNER = {
 
 @pytest.mark.parametrize("inner", INNER)
 @pytest.mark.parametrize("recipe", ["helper", "no_flag", "by_hand"])
+@pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")  # no_flag's
 def test_training_matches_the_unwrapped_optimizer_on_true_gradients(recipe, inner):
   make_inner, rtol = INNER[inner]
   data = batches()
@@ -430,3 +431,20 @@ def test_the_equinox_example_runs_and_reports_float32s_spread(capsys, monkeypatc
 def test_the_helper_of_something_not_callable_asks_for_the_loss_function():
   with pytest.raises(TypeError, match="takes the loss function"):
     jaxscale.equinox.filter_value_and_grad(jnp.ones(2))
+
+
+@pytest.mark.parametrize("wrap", [eqx.filter_jit, lambda f: f], ids=["filter_jit", "eager"])
+def test_a_filter_jitted_loss_that_scales_itself_is_refused_after_an_earlier_call(wrap):
+  # Called again, `eqx.filter_jit` reuses its trace and runs no Python: the gradient site traces
+  # the function it wraps instead, and counts the scale there.
+  model, (x, y) = make_model(), batches(steps=1, bad={})[0]
+  scaler = jaxscale.init(init_scale=1024.0)
+
+  @eqx.filter_jit
+  def loss_scaled_inside(model, x, y, scaler):
+    return jaxscale.scale(scaler, jnp.mean((jax.vmap(model)(x) - y) ** 2))
+
+  loss_scaled_inside(model, x, y, scaler)  # to log the loss: its trace is cached now
+  for _ in range(2):
+    with pytest.raises(ValueError, match="called `jaxscale.scale` and did not unscale"):
+      wrap(lambda s, m: jaxscale.equinox.filter_value_and_grad(loss_scaled_inside)(s, m, x, y, s))(scaler, model)

@@ -73,9 +73,9 @@ def test_linen_train_state(recipe):
   def train_step(state, x, y):
     scaler = jaxscale.find_scaler(state.opt_state)
     loss_fn = lambda params: mse(state.apply_fn(params, x), y)
-    if recipe == "apply_gradients":  # true gradients; tx.update checks them itself
-      loss, grads, _ = jaxscale.value_and_grad(loss_fn)(scaler, state.params)
-      return state.apply_gradients(grads=grads), loss
+    if recipe == "apply_gradients":  # Flax's apply_gradients, the flag passed on
+      loss, grads, finite = jaxscale.value_and_grad(loss_fn)(scaler, state.params)
+      return jaxscale.flax.apply_gradients(state, grads=grads, finite=finite), loss
     if recipe == "by_hand":  # the gradient site written out
       grads = jax.grad(lambda p: jaxscale.scale(scaler, loss_fn(p)))(state.params)
       grads, finite = jaxscale.unscale_and_check(scaler, grads)
@@ -110,6 +110,7 @@ class NNXMLP(nnx.Module):
 
 
 @pytest.mark.parametrize("recipe", ["finite_flag", "no_flag"])
+@pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")
 def test_nnx_optimizer(recipe):
   model = NNXMLP(nnx.Rngs(0))
   tx = jaxscale.dynamic_loss_scaling(optax.adam(1e-2), init_scale=INIT_SCALE)
@@ -170,7 +171,6 @@ def quadratic(params):
 
 
 def test_train_state_with_value_and_grad_is_plain_sgd_on_the_true_gradients():
-  # `apply_gradients` cannot pass `finite=`, and loses nothing: the wrapper checks the gradients.
   params = {"w": jnp.array([1.0, -2.0, 3.0])}
   tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.1), init_scale=INIT_SCALE)
   state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
@@ -178,11 +178,12 @@ def test_train_state_with_value_and_grad_is_plain_sgd_on_the_true_gradients():
   @jax.jit
   def step(state):
     scaler = jaxscale.find_scaler(state.opt_state)
-    _, grads, _ = jaxscale.value_and_grad(quadratic)(scaler, state.params)
-    return state.apply_gradients(grads=grads)
+    _, grads, finite = jaxscale.value_and_grad(quadratic)(scaler, state.params)
+    return jaxscale.flax.apply_gradients(state, grads=grads, finite=finite)
 
   state = step(state)
   np.testing.assert_array_equal(state.params["w"], params["w"] - 0.1 * 2 * params["w"])  # plain SGD
+  assert int(state.step) == 1  # Flax's own apply_gradients counted the step
   assert int(jaxscale.find_scaler(state.opt_state).growth_tracker) == 1
 
 
@@ -194,8 +195,8 @@ def test_nnx_optimizer_with_value_and_grad_is_plain_sgd_on_the_true_gradients():
   @nnx.jit
   def step(model, optimizer):
     scaler = jaxscale.find_scaler(optimizer.opt_state)
-    _, grads, _ = jaxscale.flax.value_and_grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(scaler, model)
-    optimizer.update(model, grads)  # no `finite=`
+    _, grads, finite = jaxscale.flax.value_and_grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(scaler, model)
+    optimizer.update(model, grads, finite=finite)
 
   step(model, optimizer)
   np.testing.assert_array_equal(model.bias[...], bias - 0.5)  # d(sum)/d(bias) = 1
@@ -210,9 +211,9 @@ def test_train_state_with_gradients_clipped_by_hand_trains_on_the_clipped_true_g
   @jax.jit
   def step(state):
     scaler = jaxscale.find_scaler(state.opt_state)
-    _, grads, _ = jaxscale.value_and_grad(quadratic)(scaler, state.params)
+    _, grads, finite = jaxscale.value_and_grad(quadratic)(scaler, state.params)
     grads = jax.tree.map(lambda g: jnp.clip(g, -1.0, 1.0), grads)  # clipped by hand
-    return state.apply_gradients(grads=grads)
+    return jaxscale.flax.apply_gradients(state, grads=grads, finite=finite)
 
   state = step(state)
   # Plain SGD on the clipped gradient of sum(w**2), 2w: [2, -4, 6] clipped to [1, -1, 1]; exact
@@ -227,8 +228,8 @@ def test_train_state_with_a_scaler_found_outside_the_step_warns_at_trace_time():
 
   @jax.jit
   def step(state):
-    _, grads, _ = jaxscale.value_and_grad(quadratic)(scaler, state.params)
-    return state.apply_gradients(grads=grads)
+    _, grads, finite = jaxscale.value_and_grad(quadratic)(scaler, state.params)
+    return jaxscale.flax.apply_gradients(state, grads=grads, finite=finite)
 
   with pytest.warns(UserWarning, match=r"constant of the traced computation.*jaxscale.find_scaler\(opt_state\)"):
     step(state)
@@ -254,3 +255,68 @@ def test_from_dynamic_scale_resumes_a_flax_run_step_for_step():
 def test_from_dynamic_scale_refuses_other_objects():
   with pytest.raises(TypeError, match="DynamicScale"):
     jaxscale.flax.from_dynamic_scale(jaxscale.init())
+
+
+@pytest.mark.parametrize("wrap", [nnx.jit, lambda f: f], ids=["nnx_jit", "eager"])
+@pytest.mark.parametrize("before", ["cold", "traced_once"])
+def test_an_nnx_jitted_loss_that_scales_itself_is_refused_whatever_ran_before(wrap, before):
+  # `nnx.jit` reuses its trace and runs no Python when called again; even cold, a trace of it
+  # taken to read its jaxpr would fill that cache. The gradient site traces the function it wraps.
+  model = nnx.Linear(IN, OUT, rngs=nnx.Rngs(0))
+  x, y = next(batches())[0] / 1e5, jnp.zeros((32, OUT))
+  scaler = jaxscale.init(init_scale=INIT_SCALE)
+
+  @nnx.jit
+  def loss_scaled_inside(model, scaler):
+    return jaxscale.scale(scaler, mse(model(x), y))
+
+  if before == "traced_once":
+    loss_scaled_inside(model, scaler)
+  for _ in range(2):
+    with pytest.raises(ValueError, match="called `jaxscale.scale` and did not unscale"):
+      wrap(lambda m, s: jaxscale.flax.value_and_grad(loss_scaled_inside)(s, m, s))(model, scaler)
+
+
+FORGOTTEN = r"got no `finite` flag.*`jaxscale.value_and_grad"
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_a_linen_step_that_kept_jax_grad_warns_and_the_documented_one_does_not(wrap):
+  # The first mistake of a user coming from DynamicScale or apply_if_finite: only the optimizer line
+  # changed. Nothing scales the loss, the scale reads 65536 and no step is skipped; the wrapper, given
+  # no flag, says so at trace time, whatever ran before.
+  params = {"w": jnp.array([1.0, -2.0, 3.0])}
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=jaxscale.dynamic_loss_scaling(optax.sgd(0.1)))
+
+  for _ in range(2):  # a trace-time warning: each step function is new, and traced anew
+    def kept_jax_grad(state):
+      return state.apply_gradients(grads=jax.grad(quadratic)(state.params))
+
+    def documented(state):
+      _, grads, finite = jaxscale.value_and_grad(quadratic)(jaxscale.find_scaler(state.opt_state), state.params)
+      return jaxscale.flax.apply_gradients(state, grads=grads, finite=finite)
+
+    with pytest.warns(UserWarning, match=FORGOTTEN):
+      wrap(kept_jax_grad)(state)
+    wrap(documented)(state)  # warnings are errors here
+
+
+@pytest.mark.parametrize("wrap", [nnx.jit, lambda f: f], ids=["nnx_jit", "eager"])
+def test_an_nnx_step_that_kept_nnx_value_and_grad_warns_and_the_documented_one_does_not(wrap):
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, jaxscale.dynamic_loss_scaling(optax.sgd(0.5)), wrt=nnx.Param)
+  loss_fn = lambda m: jnp.sum(m(jnp.ones((1, 2))))
+
+  for _ in range(2):
+    def kept_nnx_grad(model, optimizer):
+      _, grads = nnx.value_and_grad(loss_fn)(model)
+      optimizer.update(model, grads)
+
+    def documented(model, optimizer):
+      scaler = jaxscale.find_scaler(optimizer.opt_state)
+      _, grads, finite = jaxscale.flax.value_and_grad(loss_fn)(scaler, model)
+      optimizer.update(model, grads, finite=finite)
+
+    with pytest.warns(UserWarning, match=FORGOTTEN):
+      wrap(kept_nnx_grad)(model, optimizer)
+    wrap(documented)(model, optimizer)

@@ -3,6 +3,7 @@ exactly, tiny true gradients kept by a float32 unscale, skipped steps, chain, Or
 the wrong nesting refused, and plain float16 Adam stalling on real data where the master copy keeps
 learning; the Kahan and stochastic-rounding methods against float64 references."""
 
+import functools
 import warnings
 
 import jax
@@ -14,6 +15,10 @@ import pytest
 import jaxscale
 from _jit import compilations
 from jaxscale import _rounding
+
+# These tests hand the wrapper gradients of their own making, with no gradient site: the warning
+# for an update without its `finite` flag is tested in tests/test_contract.py.
+pytestmark = pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")
 
 STEPS = 12
 INF_STEP = 5
@@ -519,9 +524,26 @@ def test_float16_parameters_without_a_master_warn_at_trace_time(wrap):
     warnings.simplefilter("error")
     for right in (jaxscale.master_weights(jaxscale.dynamic_loss_scaling(optax.adam(1e-3))),
                   jaxscale.dynamic_loss_scaling(jaxscale.master_weights(optax.adam(1e-3)))):
-      wrap(right.update)(grads, right.init(params), params)
+      wrap(functools.partial(right.update, finite=True))(grads, right.init(params), params)
     bf16 = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros(1)}
-    wrap(tx.update)(grads, tx.init(bf16), bf16)
+    wrap(functools.partial(tx.update, finite=True))(grads, tx.init(bf16), bf16)
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_frozen_float16_parameters_are_not_warned_about(wrap):
+  # LoRA-style: the float16 base is frozen (`set_to_zero`), only float32 adapters train. The frozen
+  # weights never change, so no master copy is needed; a trained float16 partition is still warned.
+  params = {"base": jnp.ones(3, jnp.float16), "lora": jnp.zeros(2)}
+  grads = {"base": jnp.ones(3), "lora": jnp.ones(2)}
+  inners = {"train": optax.adam(1e-3), "frozen": optax.set_to_zero()}
+  frozen = jaxscale.dynamic_loss_scaling(optax.multi_transform(inners, {"base": "frozen", "lora": "train"}))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    updates, _ = wrap(lambda g, s, p: frozen.update(g, s, p, finite=True))(grads, frozen.init(params), params)
+  np.testing.assert_array_equal(updates["base"], 0)  # frozen indeed
+  trained = jaxscale.dynamic_loss_scaling(optax.multi_transform(inners, {"base": "train", "lora": "frozen"}))
+  with pytest.warns(UserWarning, match=FLOAT16_NO_MASTER.replace(".*", r"\(\['base'\]\).*", 1)):
+    wrap(lambda g, s, p: trained.update(g, s, p, finite=True))(grads, trained.init(params), params)
 
 
 def test_an_nnx_model_with_float16_parameters_and_no_master_warns():
@@ -537,7 +559,7 @@ def test_an_nnx_model_with_float16_parameters_and_no_master_warns():
   def step(model, optimizer, x):
     loss = lambda model: jnp.mean(model(x).astype(jnp.float32) ** 2)
     _, grads, finite = jaxscale.flax.value_and_grad(loss)(jaxscale.find_scaler(optimizer.opt_state), model)
-    optimizer.update(model, grads)
+    optimizer.update(model, grads, finite=finite)
 
   with pytest.warns(UserWarning, match=FLOAT16_NO_MASTER):
     step(model, optimizer, jnp.ones((4, 2)))

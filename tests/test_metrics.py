@@ -9,6 +9,10 @@ import pytest
 import jaxscale
 from _jit import compilations
 
+# These tests hand the wrapper gradients of their own making, with no gradient site: the warning
+# for an update without its `finite` flag is tested in tests/test_contract.py.
+pytestmark = pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")
+
 KEYS = {"scale", "growth_tracker", "hysteresis_tracker", "skipped_steps", "last_skipped", "stalled"}
 
 

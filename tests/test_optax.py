@@ -1,6 +1,7 @@
 """The Optax wrapper against the unwrapped optimizer."""
 
 import functools
+import re
 import types
 
 import jax
@@ -12,6 +13,10 @@ import pytest
 import jaxscale
 from _bitwise import assert_bitwise_equal, bits
 from _jit import compilations
+
+# These tests hand the wrapper gradients of their own making, with no gradient site: the warning
+# for an update without its `finite` flag is tested in tests/test_contract.py.
+pytestmark = pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4), "b": jnp.arange(4, dtype=jnp.float32)}
 GRADS = jax.tree.map(lambda p: jnp.cos(p) * 2.0**-6, PARAMS)  # true gradients
@@ -523,3 +528,49 @@ def test_a_scaler_inside_a_scaler_is_refused():
       "`dynamic_loss_scaling` inside `inner`): two scales would back off and grow apart, and "
       "`find_scaler` could not tell which one scales the loss. Wrap the optimizer once."
   )
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_an_attribute_of_the_inner_state_is_named_with_the_way_to_it(wrap):
+  # `optax.inject_hyperparams` users read `opt_state.hyperparams`; inside the wrapper it is one
+  # level down, and the error says where.
+  inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+  for tx, path in ((jaxscale.dynamic_loss_scaling(inner), ""),
+                   (jaxscale.dynamic_loss_scaling(optax.chain(optax.clip(1.0), inner)), "[1]")):
+    def read(params):
+      return tx.init(params).hyperparams
+
+    with pytest.raises(AttributeError, match=rf"the inner optimizer's state has it: `opt_state\.inner_state"
+                                             rf"{re.escape(path)}\.hyperparams`"):
+      wrap(read)(PARAMS)
+  state = jaxscale.dynamic_loss_scaling(inner).init(PARAMS)
+  assert float(state.inner_state.hyperparams["learning_rate"]) == np.float32(1e-3)  # the way named
+  assert not hasattr(state, "hyperparams")  # still an AttributeError for `hasattr` and `getattr`
+
+
+def _weight_decay_of_my_own(wd):
+  """A weight decay written by hand, as a user writes one: its state is `()`."""
+  def update(updates, state, params=None):
+    return jax.tree.map(lambda g, w: g + wd * w, updates, params), ()
+
+  return optax.GradientTransformation(lambda params: (), update)
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_the_wrapper_around_one_partition_or_before_a_state_of_its_own_is_refused(wrap):
+  # On a skipped step the other partition's momentum (or the weight decay after the wrapper) would
+  # still move the parameters; `find_scaler`, which every step calls, says how to nest it.
+  params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+  labels = {"a": "trained", "b": "other"}
+  one_partition = optax.multi_transform(
+      {"trained": jaxscale.dynamic_loss_scaling(optax.adam(1e-3)), "other": optax.sgd(0.1, momentum=0.9)}, labels)
+  with pytest.raises(ValueError, match=r"around one partition of an `optax.multi_transform`.*Wrap the whole"):
+    wrap(lambda p: jaxscale.find_scaler(one_partition.init(p)).scale)(params)
+  decay_after = optax.chain(jaxscale.dynamic_loss_scaling(optax.adam(1e-3)), _weight_decay_of_my_own(1e-2))
+  with pytest.raises(ValueError, match=r"a transformation after `dynamic_loss_scaling`.*its state: \(\)"):
+    wrap(lambda p: jaxscale.find_scaler(decay_after.init(p)).scale)(params)
+  # Nested as the messages say, both are found.
+  for tx in (jaxscale.dynamic_loss_scaling(optax.multi_transform(
+                 {"trained": optax.adam(1e-3), "other": optax.sgd(0.1, momentum=0.9)}, labels)),
+             jaxscale.dynamic_loss_scaling(optax.chain(optax.adam(1e-3), _weight_decay_of_my_own(1e-2)))):
+    assert float(wrap(lambda p: jaxscale.find_scaler(tx.init(p)).scale)(params)) == 2.0**16

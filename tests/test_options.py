@@ -15,6 +15,10 @@ import pytest
 
 import jaxscale
 
+# These tests hand the wrapper gradients of their own making, with no gradient site: the warning
+# for an update without its `finite` flag is tested in tests/test_contract.py.
+pytestmark = pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")
+
 # Every option that cannot work, refused by `init` and by the wrapper alike. Where the message is
 # given in full (a sentence ending in "."), it must be that sentence word for word: it names the
 # option, the value received and what would work; otherwise the message must name the option.

@@ -16,6 +16,10 @@ from _bitwise import assert_bitwise_equal
 from _jit import compilations
 from _reference import ReferenceScaler
 
+# These tests hand the wrapper gradients of their own making, with no gradient site: the warning
+# for an update without its `finite` flag is tested in tests/test_contract.py.
+pytestmark = pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")
+
 f32 = np.float32
 
 
@@ -572,3 +576,12 @@ def test_a_static_scale_in_a_training_step_raises_as_the_dynamic_one_does():
     with pytest.raises(FloatingPointError, match="every step since has been skipped"):
       jaxscale.find_scaler(opt_state)
   np.testing.assert_array_equal(params["w"], jnp.ones(3))
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_value_and_grad_of_a_loss_and_aux_without_has_aux_names_has_aux(wrap):
+  # JAX's own error would show the loss and the aux, both multiplied by the scale, and no word of
+  # `has_aux`.
+  loss = lambda w: (jnp.sum(w**2), {"norm": jnp.sum(jnp.abs(w))})
+  with pytest.raises(TypeError, match=r"returned a tuple of 2 items.*pass `has_aux=True`"):
+    wrap(lambda s, w: jaxscale.value_and_grad(loss)(s, w))(jaxscale.init(), jnp.ones(3))

@@ -17,6 +17,10 @@ from jax.sharding import PartitionSpec as P
 
 import jaxscale
 
+# These tests hand the wrapper gradients of their own making, with no gradient site: the warning
+# for an update without its `finite` flag is tested in tests/test_contract.py.
+pytestmark = pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")
+
 AXIS = "devices"
 N = 8
 SCALE = 2.0**12
@@ -156,3 +160,37 @@ def test_wrapper_agrees_on_a_flag_passed_in(mapper):
   jax.tree.map(np.testing.assert_array_equal, new_params, params)  # skipped everywhere, no -inf
   assert np.asarray(new_state.scaler.last_skipped).all()
   assert_same_on_every_device(new_state.scaler)
+
+
+@pytest.mark.filterwarnings("error:jaxscale. `dynamic_loss_scaling`'s update got gradients that differ")
+def test_fsdp_without_axis_name_warns_where_the_devices_would_part():
+  # FSDP under shard_map: each device holds its shard of the parameters and of the gradients. With
+  # no `axis_name` and a local flag, the device whose shard overflows skips and the others step:
+  # their scales part (as the last line shows). JAX's varying-axes types show it at trace time.
+  tx = jaxscale.dynamic_loss_scaling(optax.sgd(0.5), init_scale=SCALE)
+
+  def step(site_axis, params, opt_state, x):
+    loss = lambda p: jnp.sum(p["w"] * x) + jnp.sum(p["b"])
+    _, grads, finite = jaxscale.value_and_grad(loss, axis_name=site_axis)(jaxscale.find_scaler(opt_state), params)
+    updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
+    return optax.apply_updates(params, updates), opt_state
+
+  mesh = jax.make_mesh((N,), (AXIS,), axis_types=(AxisType.Auto,))
+
+  def run(site_axis):
+    # The parameters sharded, the optimizer state replicated (one scaler), each device's decision read.
+    def per_device(params, opt_state, x):
+      params, opt_state = step(site_axis, jax.tree.map(lambda a: a[0], params), opt_state, x[0])
+      return jax.tree.map(lambda a: a[None], params), jax.tree.map(lambda a: a[None], opt_state)
+
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(P(AXIS), P(), P(AXIS)), out_specs=P(AXIS))
+    return jax.jit(mapped)(params, opt_state, x)[1]
+
+  params = jax.tree.map(lambda g: g / SCALE, per_device_grads())
+  opt_state = tx.init(jax.tree.map(lambda a: a[0], params))
+  x = jnp.ones((N, 4, 3)).at[POISONED_DEVICE].set(jnp.inf)
+  with pytest.warns(UserWarning, match=rf"differ between the devices of the mapped axes '{AXIS}' and no `axis_name`"):
+    parted = run(None)
+  assert np.asarray(parted.scaler.last_skipped).tolist() == [i == POISONED_DEVICE for i in range(N)]
+  # A flag reduced over the devices makes the decision common: nothing to say, and every device skips.
+  assert np.asarray(run(AXIS).scaler.last_skipped).all()

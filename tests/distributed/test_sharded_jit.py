@@ -19,6 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 import jaxscale
 
+# These tests hand the wrapper gradients of their own making, with no gradient site: the warning
+# for an update without its `finite` flag is tested in tests/test_contract.py.
+pytestmark = pytest.mark.filterwarnings("ignore:jaxscale. `dynamic_loss_scaling`'s update got no `finite` flag")
+
 # (data, fsdp) mesh shapes. The batch is split over both axes, the parameters over "fsdp".
 LAYOUTS = {"data_parallel": (8, 1), "fsdp": (1, 8), "data_and_fsdp": (2, 4)}
 SCALE = 2.0**10
