@@ -115,9 +115,60 @@ def measure_rows(target, n_leaves, rows=None, n_params=32_000_000) -> dict[str, 
   return {name: measure(target, builders[name]) for name in names}
 
 
+def gpt_rows(config=None) -> dict:
+  """Full training steps of the GPT-2-small-shaped Transformer (benchmarks/models.py): the
+  `"mixed_bfloat16"` step with AdamW, the same with AdamW's first moment in bfloat16, and bfloat16
+  parameters with Kahan, bfloat16 state and the scaler, as docs/sixteen_bits.md builds it."""
+  import jax.numpy as jnp
+  import models
+  import optax
+
+  import jaxscale
+
+  config = config or models.GPTConfig()
+  model = models.GPT(config)
+  tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
+  params32 = jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+
+  def loss(params, tokens):
+    logits = model.apply({"params": params}, tokens)
+    targets = jnp.roll(tokens, -1, axis=-1)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets[:, :-1]).mean()
+
+  def plain(tx):
+    cast_loss = jaxscale.autocast(loss, "mixed_bfloat16")
+
+    def step(params, opt_state, tokens):
+      value, grads = jax.value_and_grad(cast_loss)(params, tokens)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, value
+
+    return lambda: (step, (params32, jax.eval_shape(tx.init, params32), tokens), (0, 1))
+
+  def sixteen():
+    tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(models.adamw())),
+                                 method="kahan")
+    grad = jaxscale.value_and_grad(jaxscale.autocast(loss, "params=bfloat16,compute=bfloat16,output=float32"))
+    params16 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16), params32)
+
+    def step(params, opt_state, tokens):
+      value, grads, finite = grad(jaxscale.find_scaler(opt_state), params, tokens)
+      updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
+      return optax.apply_updates(params, updates), opt_state, value
+
+    return step, (params16, jax.eval_shape(tx.init, params16), tokens), (0, 1)
+
+  return {
+      "float32 Adam": plain(models.adamw()),  # the baseline's name: "mixed_bfloat16", AdamW
+      "mixed_bfloat16, adamw(mu_dtype=bfloat16)": plain(optax.adamw(3e-4, weight_decay=0.1, mu_dtype=jnp.bfloat16)),
+      "bf16 params, kahan + bf16 state + scaler": sixteen,
+  }
+
+
 def markdown(target, n_leaves, results: dict[str, Measured]) -> list[str]:
   base = results["float32 Adam"]
-  lines = [f"**{target}, Adam step, 32M params / {n_leaves} leaves**", "",
+  title = n_leaves if isinstance(n_leaves, str) else f"Adam step, 32M params / {n_leaves} leaves"
+  lines = [f"**{target}, {title}**", "",
            "| program | kernels | HBM MB | x | peak MB | x | copies | compile s (CPU) | x |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for name, m in results.items():
@@ -132,6 +183,7 @@ def main(argv=None):
   parser.add_argument("--target", choices=TARGETS, default="h100")
   parser.add_argument("--leaves", type=int, nargs="*", default=list(gpu_program.SIXTEEN_LEAVES))
   parser.add_argument("--rows", nargs="*", help="row names of the sixteen table (default: all)")
+  parser.add_argument("--gpt", action="store_true", help="the GPT-2-small-shaped training steps instead")
   args = parser.parse_args(argv)
   try:
     _sharding(args.target)  # before any work: say what is missing at once
@@ -139,6 +191,10 @@ def main(argv=None):
     parser.exit(1, f"{parser.prog}: {e}\n")
   print(f"{args.target} programs compiled without a device by jax {jax.__version__} "
         f"(`python benchmarks/sixteen_programs.py --target {args.target}`); x: ratio to float32 Adam's.\n")
+  if args.gpt:
+    results = {name: measure(args.target, build) for name, build in gpt_rows().items()}
+    print("\n".join(markdown(args.target, "GPT-2 small training step (first row: mixed_bfloat16)", results)))
+    return
   for n in args.leaves:
     print("\n".join(markdown(args.target, n, measure_rows(args.target, n, args.rows))), flush=True)
 
