@@ -70,6 +70,9 @@ def _leaf_key_mixed(key, stream, index):
   return a + b, a ^ _lowbias32(b + jnp.uint32(1))
 
 
+SEED_GROUP = 64  # leaves whose seeds one scalar kernel computes
+
+
 def leaf_seeds(key: jax.Array, stream: int, indices) -> dict[int, tuple[jax.Array, jax.Array]]:
   """`leaf_key` of each leaf index in ``indices`` (a dict from index to seeds), each seed a scalar
   computed once, before the kernels of the leaves that read it.
@@ -82,12 +85,13 @@ def leaf_seeds(key: jax.Array, stream: int, indices) -> dict[int, tuple[jax.Arra
   twice, and each leaf's kernel differs by its index, so none is compiled once for all
   (benchmarks/NOTES.md).
   """
-  indices = list(indices)
-  if not indices:
-    return {}
-  mixed = jax.lax.optimization_barrier(_leaf_key_mixed(key, stream, jnp.asarray(indices, jnp.uint32)))
-  return jax.lax.optimization_barrier(
-      {i: (_lowbias32(mixed[0][k]), _lowbias32(mixed[1][k])) for k, i in enumerate(indices)})
+  indices, seeds = list(indices), {}
+  # In groups: over a few hundred scalars at once, XLA gave each its own kernel.
+  for group in (indices[g:g + SEED_GROUP] for g in range(0, len(indices), SEED_GROUP)):
+    mixed = jax.lax.optimization_barrier(_leaf_key_mixed(key, stream, jnp.asarray(group, jnp.uint32)))
+    seeds.update(jax.lax.optimization_barrier(
+        {i: (_lowbias32(mixed[0][k]), _lowbias32(mixed[1][k])) for k, i in enumerate(group)}))
+  return seeds
 
 
 def random_bits(seeds: tuple[jax.Array, jax.Array], shape) -> jax.Array:
