@@ -88,27 +88,34 @@ def test_float8_is_faster_than_bfloat16_where_its_matmuls_are_large(title, budge
 
 
 # The 16-bit steps: one kernel per leaf that reads parameter, compensation, moments and gradient once
-# and writes them once. Bytes per parameter, read and written, against float32 Adam's 28 (parameter
-# 8, moments 16, gradient 4): Kahan + bfloat16 state 20 (0.714x), stochastic rounding 16 (0.571x);
-# the scaler adds one read of the float32 gradients (+4: 0.857x, 0.714x); the float32 master 32
-# (bfloat16 parameter 4, master 8, moments 16, gradient 4) and 36 with the scaler (1.286x). Peaks are
-# the arguments alone (donated state, float32 gradients): 12, 10 and 18 bytes against 16. Kernels: the
-# plain step's, plus three scalar ones per PRNG key (its split, the copy of the donated key, and the
-# hash of every leaf's seeds): one key for Kahan, two for stochastic rounding. A kernel per leaf is over.
+# and writes them once, at any number of leaves. Bytes per parameter, read and written, against float32
+# Adam's 28 (parameter 8, moments 16, gradient 4): Kahan + bfloat16 state 20 (0.714x), stochastic
+# rounding 16 (0.571x); the scaler adds one read of the float32 gradients (+4: 0.857x, 0.714x); the
+# float32 master 32 (bfloat16 parameter 4, master 8, moments 16, gradient 4) and 36 with the scaler
+# (1.286x: the parameter is read, as `apply_updates` must). Peaks are the arguments alone (donated
+# state, float32 gradients): 12, 10 and 18 bytes against 16. Kernels: at most 1.2x the plain step's
+# plus 10 (and the scaler's own): per PRNG key its split, the copy of the donated 8-byte key, and
+# two or three scalar kernels of seeds per 64 leaves (one key for Kahan, two for stochastic
+# rounding). Before the seeds reached each leaf's kernel as scalars, 48 leaves moved 1.14x float32's
+# bytes; before they were hashed 64 leaves at a time, 150 leaves launched 755 kernels.
 SIXTEEN = {
-    "kahan + bf16 state": {"kernels": 3, "hbm": 0.72, "peak": 0.76},
-    "SR + bf16 state": {"kernels": 6, "hbm": 0.58, "peak": 0.63},
-    "kahan + bf16 state + scaler": {"kernels": 3 + SCALER_KERNELS, "hbm": 0.86, "peak": 0.76},
-    "SR + bf16 state + scaler": {"kernels": 6 + SCALER_KERNELS, "hbm": 0.72, "peak": 0.63},
-    "float32 master + scaler, bf16 params": {"kernels": SCALER_KERNELS, "hbm": 1.29, "peak": 1.13},
+    "kahan + bf16 state": {"hbm": 0.72, "peak": 0.76},
+    "SR + bf16 state": {"hbm": 0.58, "peak": 0.63},
+    "kahan + bf16 state + scaler": {"hbm": 0.86, "peak": 0.76},
+    "SR + bf16 state + scaler": {"hbm": 0.72, "peak": 0.63},
+    "float32 master + scaler, bf16 params": {"hbm": 1.29, "peak": 1.13},
+    "hand-written Kahan, bf16 state (plain JAX)": {"kernels": 0, "hbm": 0.72, "peak": 0.76, "copies": 0},
 }
 
 
-def test_sixteen_bit_steps_move_the_bytes_their_dtypes_imply_and_beat_optaxs_bfloat16_moment():
-  programs = measured("sixteen", "Adam step, 32M params / 8 leaves", ["optax.adam(mu_dtype=bfloat16)", *SIXTEEN])
+@pytest.mark.parametrize("leaves", [8, 48, 150])
+def test_sixteen_bit_steps_move_the_bytes_their_dtypes_imply_at_any_number_of_leaves(leaves):
+  title = f"Adam step, 32M params / {leaves} leaves"
+  programs = measured("sixteen", title, ["optax.adam(mu_dtype=bfloat16)", *SIXTEEN])
   plain, optax_bf16 = programs.pop("float32 Adam"), programs.pop("optax.adam(mu_dtype=bfloat16)")
   for name, budget in SIXTEEN.items():
-    check(programs[name], plain, **budget)
+    kernels = int(0.2 * plain.kernels) + 10 + (SCALER_KERNELS if "scaler" in name else 0)
+    check(programs[name], plain, **{"kernels": kernels, **budget})
   # Like for like (optax's row has no scaler): fewer bytes and a lower peak than its bfloat16 moment.
   for name in ("kahan + bf16 state", "SR + bf16 state"):
     assert programs[name].hbm_bytes < optax_bf16.hbm_bytes and programs[name].peak_bytes < optax_bf16.peak_bytes, name

@@ -254,23 +254,24 @@ def _encode(tree, which, key):
   LowPrecisionArray, whose arrays `nnx.Optimizer` would write back into it as a State.
   """
   leaves, treedef = jax.tree.flatten(tree, is_leaf=_tree.is_variable)
+  seeds = _rounding.leaf_seeds(key, _rounding.LOW_PRECISION_STATE, [i for i, s in enumerate(which) if s])
   out = [
-      LowPrecisionArray(_like(x, _stored(_tree.unwrap_variable(x), key, i))) if stored else x
+      LowPrecisionArray(_like(x, _stored(_tree.unwrap_variable(x), seeds[i]))) if stored else x
       for i, (x, stored) in enumerate(zip(leaves, which, strict=True))
   ]
   return jax.tree.unflatten(treedef, out)
 
 
 @jax.jit
-def _stored(x, key, index):
-  """State leaf ``index``'s float32 value ``x`` rounded stochastically to bfloat16.
+def _stored(x, seeds):
+  """A state leaf's float32 value ``x`` rounded stochastically to bfloat16 with its ``seeds``.
 
-  Compiled once per leaf shape, the index an argument: ``init``, called eagerly, would otherwise
+  Compiled once per leaf shape, the seeds an argument: ``init``, called eagerly, would otherwise
   round operation by operation, compiling each operation for each leaf shape (about 6x slower,
   benchmarks/NOTES.md), and one program for all the leaves would move each leaf to the devices
-  of the others. Under the caller's ``jit`` it is inlined, the index a constant again.
+  of the others. Under the caller's ``jit`` it is inlined.
   """
-  return _rounding.to_bfloat16(x, _rounding.leaf_key(key, _rounding.LOW_PRECISION_STATE, index))
+  return _rounding.to_bfloat16(x, seeds)
 
 
 def _like(x, value):

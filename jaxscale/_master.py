@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxscale import _numerics, _optax, _policy, _rounding, _skip
+from jaxscale import _optax, _policy, _rounding, _skip
 
 METHODS = ("float32", "kahan", "stochastic_rounding")
 
@@ -181,9 +181,10 @@ def master_weights(
     new_key, draw = (None, None) if state.key is None else jax.random.split(state.key)
     comp = state.compensation if method == "kahan" else jax.tree.map(lambda p: optax.MaskedNode(), params)
     leaves, treedef = jax.tree.flatten(params)
+    seeds = {} if draw is None else _rounding.leaf_seeds(
+        draw, _rounding.MASTER_WEIGHTS, [i for i, p in enumerate(leaves) if _is_narrow(p)])
     new = [
-        _narrow_step(p, c, u, skipped, None if draw is None else _rounding.leaf_key(draw, _rounding.MASTER_WEIGHTS, i))
-        if _is_narrow(p) else (u, c)
+        _narrow_step(p, c, u, skipped, seeds.get(i)) if _is_narrow(p) else (u, c)
         for i, (p, c, u) in enumerate(zip(leaves, treedef.flatten_up_to(comp), treedef.flatten_up_to(inner_updates)))
     ]
     new_updates, comp = (jax.tree.unflatten(treedef, [x[j] for x in new]) for j in (0, 1))
@@ -253,13 +254,20 @@ def _narrow_step(p, c, u, skipped, seeds):
   summation or, given ``seeds``, stochastic rounding; ``-0.0`` and ``c`` on a skipped step."""
   # The step and the compensation, both below the parameter's ulp or near it, are summed first.
   step = u + _comp_value(p, c)
-  exact = _clip_to(p.dtype, p.astype(jnp.float32) + step)
+  start = p.astype(jnp.float32)
+  exact = _clip_to(p.dtype, start + step)
   if seeds is None:
     target = exact.astype(p.dtype)
   else:
     target = _rounding.stochastic_round(exact, p.dtype, _rounding.uniform(seeds, p.shape))
   update, landed = _step_to(p, target)
   if not isinstance(c, optax.MaskedNode):
+    # Landed on zero, a remainder beyond 65504 ulps of zero (0.0039 in float16) would saturate
+    # the compensation: one ulp less of update lands one (small, normal) ulp of `p` away from zero
+    # instead, where the remainder, below an ulp of `p`, fits.
+    lost = (landed == 0) & (jnp.abs(start + step) > _SATURATES[jnp.dtype(p.dtype).name])
+    update = jnp.where(lost, _toward_zero(update), update)
+    landed = jnp.where(lost, start + _rounding.widen(update), landed)
     c = _skip.keep(~skipped, c, _remainder(p, step, landed))
   return _skip.mask(~skipped, update), c
 
@@ -271,7 +279,7 @@ def _remainder(p, step, landed):
   ``landed - p`` is exact in float32 (two nearby 16-bit values), and so, nearly, is ``step`` minus
   it: no rounding at the parameter's magnitude enters the compensation.
   """
-  big = jnp.float32(jnp.finfo(p.dtype).max)
+  big = _largest(p.dtype)
   return jnp.clip((step - (landed - p.astype(jnp.float32))) / _ulp_at(landed, p.dtype), -big, big).astype(p.dtype)
 
 
@@ -284,8 +292,9 @@ def _ulp_at(x: jax.Array, dtype) -> jax.Array:
   """The spacing of ``dtype`` at ``|x|`` (float32, a value of ``dtype``), from ``x``'s exponent bits."""
   fi = jnp.finfo(dtype)
   lowest = max(int(fi.minexp) - int(fi.nmant), int(jnp.finfo(jnp.float32).minexp)) + 127  # biased
-  exponent = (jax.lax.bitcast_convert_type(x, jnp.int32) >> 23) & 0xFF  # 0 for zero: the lowest
-  return _numerics.power_of_two(jnp.maximum(exponent - int(fi.nmant), lowest) - 127)
+  # The exponent field less the mantissa's bits, in place: the bits of the spacing (0 for zero: the lowest).
+  exponent = (jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7F800000)) - jnp.int32(int(fi.nmant) << 23)
+  return jax.lax.bitcast_convert_type(jnp.maximum(exponent, jnp.int32(lowest << 23)), jnp.float32)
 
 
 def _clip_to(dtype, x: jax.Array) -> jax.Array:
@@ -297,42 +306,51 @@ def _clip_to(dtype, x: jax.Array) -> jax.Array:
 
 def _step_to(param: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
   """An update, in ``param``'s dtype, with which ``param + update`` (added in that dtype) is
-  ``target`` (a finite value of that dtype), and where it lands, as float32.
+  ``target`` (a finite value of that dtype) wherever their difference is exact in 16 bits, and
+  where it lands, as float32.
 
-  The difference of two 16-bit values within a factor of two of each other is
-  exact in 16 bits (Sterbenz's lemma), and lands. Further apart, the rounded
-  difference or its neighbour on the side of the target lands in most cases
-  (the sum grows with the update, so the other neighbour cannot); when neither
-  does (the sum's last bits fall between the target's neighbours), the
-  parameter lands within one ulp of the step's size, and never on an infinity.
+  The difference of two 16-bit values within a factor of two of each other is exact in 16 bits
+  (Sterbenz's lemma), and lands. Further apart, the rounded difference lands within half an ulp of
+  the step's size (the float32 master and the compensation count from where it landed, so the next
+  step corrects it), and never on an infinity. One rounding of the difference, where a search
+  among its neighbours for one that lands made the 16-bit step compile several times slower than
+  float32 Adam's (benchmarks/NOTES.md).
   """
   dtype = param.dtype
-  # Every 16-bit value read back as float32 goes through `widen` (or is compared by its bits): a
-  # plain cast back would let XLA fold the rounding away (`xla_allow_excess_precision`).
+  # Every 16-bit value read back as float32 goes through `widen`: a plain cast back would let
+  # XLA fold the rounding away (`xla_allow_excess_precision`).
   wanted, start = _rounding.widen(target), param.astype(jnp.float32)
   first = _clip_to(dtype, wanted - start).astype(dtype)
-  # `param + u` as `optax.apply_updates` adds it: in float32 (exact, or rounded once), then to 16 bits.
-  exact = start + _rounding.widen(first)
-  other = jnp.nextafter(first, jnp.where(exact > wanted, -jnp.inf, jnp.inf).astype(dtype))
-  reached, beside = exact.astype(dtype), (start + _rounding.widen(other)).astype(dtype)
-  # Where `first` overflows to inf, `other` is its neighbour towards zero, which does not.
-  use_other = ~_same(reached, target) & (_same(beside, target) | ~_finite_bits(reached))
-  update = jnp.where(use_other, other, first)
-  landed = _rounding.widen(jnp.where(use_other, beside, reached))
+  # The rounded difference can reach half an ulp beyond the largest finite value, which rounds to
+  # inf; one ulp less of update cannot.
+  over = jnp.abs(start + _rounding.widen(first)) >= _OVERFLOWS[jnp.dtype(dtype).name]
+  update = jnp.where(over, _toward_zero(first), first)
+  landed = _rounding.widen((start + _rounding.widen(update)).astype(dtype))
   # `x + -0.0` is x bit for bit, even for x = -0.0 (where `x + 0.0` is +0.0) and x = inf.
   return jnp.where(wanted == start, jnp.asarray(-0.0, dtype), update), landed
 
 
-def _same(a: jax.Array, b: jax.Array) -> jax.Array:
-  """``a == b`` for finite 16-bit values, on their bits (+0.0 equals -0.0)."""
-  a, b = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (a, b))
-  return (a == b) | (((a | b) & 0x7FFF) == 0)
+def _toward_zero(x: jax.Array) -> jax.Array:
+  """The 16-bit neighbour of a nonzero finite ``x`` towards zero: its magnitude's bits less one."""
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint16) - jnp.uint16(1), x.dtype)
 
 
-def _finite_bits(x: jax.Array) -> jax.Array:
-  """``isfinite(x)`` for a 16-bit ``x``, on its bits (a cast to float32 could be folded away)."""
-  inf = int(np.asarray(np.inf, x.dtype).view(np.uint16))
-  return (jax.lax.bitcast_convert_type(x, jnp.uint16) & 0x7FFF) < inf
+# The float32 magnitude from which a sum rounds to inf in each 16-bit dtype: half an ulp beyond its
+# largest finite value (which has an odd last bit, so the tie goes to inf).
+_OVERFLOWS = {
+    name: np.float32(float(fi.max) + 2.0 ** (int(fi.maxexp) - int(fi.nmant) - 2))
+    for name, fi in ((name, jnp.finfo(name)) for name in _rounding.DTYPES)
+}
+# The magnitude of a remainder that saturates the compensation of a parameter at zero: the largest
+# 16-bit value in units of the spacing at zero, as `_ulp_at` gives it.
+_SATURATES = {
+    name: np.float32(float(fi.max) * 2.0 ** max(int(fi.minexp) - int(fi.nmant), -126))
+    for name, fi in ((name, jnp.finfo(name)) for name in _rounding.DTYPES)
+}
+
+
+def _largest(dtype) -> jax.Array:
+  return jnp.float32(jnp.finfo(dtype).max)
 
 
 def _only_narrow(params, tree):

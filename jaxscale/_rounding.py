@@ -5,7 +5,7 @@ A float32 ``x`` between two neighbours ``down < x < up`` of a 16-bit dtype is
 rounded up with probability ``(x - down) / (up - down)``, so its expected
 value is ``x`` exactly::
 
-    seeds = leaf_key(key, stream, leaf)              # two uint32 scalars
+    seeds = leaf_key(key, stream, leaf)              # two uint32 scalars (`leaf_seeds`: all leaves')
     u = uniform(seeds, shape)                        # one number per element
     rounded = up if u < (x - down) / (up - down) else down
 
@@ -57,11 +57,41 @@ def leaf_key(key: jax.Array, stream: int, index: int | jax.Array) -> tuple[jax.A
   several times float32's (benchmarks/NOTES.md). Rounding noise needs well-mixed bits, not a
   cryptographic stream.
   """
+  first, second = _leaf_key_mixed(key, stream, index)
+  return _lowbias32(first), _lowbias32(second)
+
+
+def _leaf_key_mixed(key, stream, index):
+  """`leaf_key` before the last hash of each seed (``index`` may be an array of leaf indices)."""
   key = key.astype(jnp.uint32)
   a = _lowbias32(key[0] ^ jnp.uint32(stream))
   # In uint32, so that the index may be traced; the products wrap as `& 0xFFFFFFFF` would.
   b = _lowbias32(key[1] ^ (jnp.asarray(index, jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(0x7F4A7C15)))
-  return _lowbias32(a + b), _lowbias32(a ^ _lowbias32(b + jnp.uint32(1)))
+  return a + b, a ^ _lowbias32(b + jnp.uint32(1))
+
+
+SEED_GROUP = 64  # leaves whose seeds one scalar kernel computes
+
+
+def leaf_seeds(key: jax.Array, stream: int, indices) -> dict[int, tuple[jax.Array, jax.Array]]:
+  """`leaf_key` of each leaf index in ``indices`` (a dict from index to seeds), each seed a scalar
+  computed once, before the kernels of the leaves that read it.
+
+  The hashes are computed for all leaves at once, and each leaf's last hash apart behind an
+  optimization barrier: XLA then hands each leaf's kernel its own two scalars. Fused into each
+  leaf's kernel (what XLA does with the per-leaf hashes beyond a few dozen leaves), they make every
+  kernel read the same small array, and XLA's sibling fusion then merges the stochastic rounding of
+  many leaves into one kernel apart from the rest of their update: gradients and state are read
+  twice, and each leaf's kernel differs by its index, so none is compiled once for all
+  (benchmarks/NOTES.md).
+  """
+  indices, seeds = list(indices), {}
+  # In groups: over a few hundred scalars at once, XLA gave each its own kernel.
+  for group in (indices[g:g + SEED_GROUP] for g in range(0, len(indices), SEED_GROUP)):
+    mixed = jax.lax.optimization_barrier(_leaf_key_mixed(key, stream, jnp.asarray(group, jnp.uint32)))
+    seeds.update(jax.lax.optimization_barrier(
+        {i: (_lowbias32(mixed[0][k]), _lowbias32(mixed[1][k])) for k, i in enumerate(group)}))
+  return seeds
 
 
 def random_bits(seeds: tuple[jax.Array, jax.Array], shape) -> jax.Array:

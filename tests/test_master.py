@@ -364,6 +364,34 @@ def test_a_step_too_far_for_16_bits_lands_within_an_ulp_of_its_size():
   assert optax.apply_updates(p, updates) == target
 
 
+@pytest.mark.parametrize("dtype, start, goal", [(jnp.float16, 32.0, 0.007), (jnp.bfloat16, 4096.0, 6.0)])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_step_onto_zero_keeps_its_value_where_the_float32_master_does(dtype, start, goal, jit):
+  """One sgd step from `start` to `goal`, far below half an ulp of `start`: the rounded difference
+  lands on 0, whose spacing (2**-24 in float16, float32's 2**-126 in bfloat16) would make the
+  remainder saturate the 16-bit compensation (0.0039 of 0.007 kept in float16, 3.98 of 6 in
+  bfloat16). Parameter plus compensation must hold the goal, as the float32 master does."""
+  p = jnp.asarray([start], dtype)
+  grad = jnp.asarray([start - goal], jnp.float32)  # exact in float32
+  held = {}
+  for method in ("float32", "kahan"):
+    tx = jaxscale.master_weights(optax.sgd(1.0), method=method)
+    update = jax.jit(tx.update) if jit else tx.update
+    updates, state = update(grad, tx.init(p), p)
+    new = optax.apply_updates(p, updates)
+    if method == "float32":
+      held[method] = np.float64(state.master[0])
+    else:
+      held[method] = np.float64(new[0]) + np.float64(state.compensation[0]) * ulps(new)[0]
+      comp_ulp = float(jnp.finfo(dtype).eps)  # the compensation's relative spacing, 2**-nmant
+  exact = start - np.float64(grad[0])  # the gradient is float32's nearest to start - goal; exact in float32
+  assert held["float32"] == exact and abs(exact - goal) < 1e-6
+  # The compensation is the remainder (below an ulp of `start`'s binade) in units of the new
+  # parameter's ulp, rounded once to 16 bits: off by at most half its own relative spacing.
+  remainder = abs(exact - float(new[0]))
+  assert abs(held["kahan"] - exact) <= remainder * comp_ulp / 2, held
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_orbax_round_trip(tmp_path, method):
   import orbax.checkpoint as ocp
