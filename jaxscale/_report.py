@@ -211,9 +211,17 @@ def _lowered_branch(eqn, indices: dict, platforms: tuple[str, ...]) -> int | Non
 def _count(jaxpr, platforms: tuple[str, ...]) -> _Counts:
   counts = _Counts()
   indices = {}  # platform_index's result -> its platforms
+  # A float8 value widened and multiplied by its scale (`_float8`'s GPU form, which XLA:GPU makes one
+  # FP8 GEMM of) -> its float8 dtype: the product runs in that dtype.
+  widened: dict = {}
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     avals = [v.aval for v in eqn.invars]
+    sources = [None if hasattr(v, "val") else widened.get(v) for v in eqn.invars]  # a Literal has a `val`
+    if name == "convert_element_type" and np.dtype(avals[0].dtype) in _float8.FLOAT8:
+      widened[eqn.outvars[0]] = np.dtype(avals[0].dtype).name
+    elif name == "mul" and any(sources):
+      widened[eqn.outvars[0]] = next(s for s in sources if s)
     if name == "platform_index":
       indices[eqn.outvars[0]] = eqn.params["platforms"]
     subs = [_count(j, platforms) for j in _interpret.subjaxprs(eqn.params)]
@@ -222,7 +230,9 @@ def _count(jaxpr, platforms: tuple[str, ...]) -> _Counts:
       if out:
         counts.ops[np.dtype(out[0].dtype).name] += 1
     if name in _autocast.COMPUTE_PRIMITIVES:
-      lhs, rhs = avals[0].dtype.name, avals[1].dtype.name
+      # Only a dot reads its float8 operands through the widening (a convolution's backward, which
+      # takes one dtype for both, runs in bfloat16 on the float8 values: "conv_backward").
+      lhs, rhs = (source if name == "dot_general" and source else a.dtype.name for source, a in zip(sources, avals[:2]))
       key = _float8.BACKWARD.name if _float8.BACKWARD.name in (lhs, rhs) else lhs if lhs == rhs else f"{lhs}*{rhs}"
       counts.flops[key] += _flops(eqn)
       counts.matmuls[key] += 1

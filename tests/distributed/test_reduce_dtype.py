@@ -197,6 +197,8 @@ def test_mapped_steps_reduce_gradients_in_the_reduce_dtype_where_jax_sums_them(p
   autocast makes that sum run in `reduce_dtype`. Under `pmap` the sum is the user's `pmean` of what
   leaves autocast, the gradients in the parameters' dtype, whatever the policy."""
   spec = POLICIES.get(policy, (policy,))[0]
+  if policy == "mixed_float8":  # products too small for float8 to pay on an H100: in float8 all the same
+    spec += ",min_intensity=0"
   loss = jaxscale.autocast(lambda p, x: jnp.mean(jnp.square(mlp(p, x).astype(jnp.float32))), spec)
 
   def step(scaler, params, x):
