@@ -145,12 +145,12 @@ def gpu_program(session):
 
 @nox.session(name="tpu-program", python="3.12")
 def tpu_program(session):
-  """The TPU v5e, v5p and v6e programs of the headline steps against their budgets (benchmarks/test_tpu_program.py).
+  """The TPU v5e, v5p and v6e programs of the headline steps against their budgets (benchmarks/test_tpu_*.py).
 
   Python 3.12: the libtpu that jax's `tpu` extra pins for the newest JAX has no wheel for 3.11.
   """
   session.install("-e", ".[tpu-program]")
-  tests = session.posargs or ["benchmarks/test_tpu_program.py"]
+  tests = session.posargs or ["benchmarks/test_tpu_program.py", "benchmarks/test_tpu_sixteen.py"]
   session.run("python", "-m", "pytest", "-q", "-p", "no:xdist", *tests)
 
 

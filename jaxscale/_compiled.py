@@ -140,7 +140,7 @@ def compiled_report(compiled: Any) -> CompiledReport:
       # embedding) can only have come from a scaled float8 product: it counts as asked.
       if (op_name and _float8.SCALED in op_name[1]) or (is_float8 and not op_name):
         asked += 1
-        if not is_float8:
+        if not is_float8 and op_name:
           not_float8.append(f"{op_name[1]} ({dtype})")
   return CompiledReport(dict(gemms), float8, asked, tuple(not_float8))
 

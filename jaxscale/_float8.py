@@ -290,8 +290,8 @@ def warn_no_float8(matmuls, policy: Any, name: str) -> None:
   reasons are found here, and only until one runs in float8: the common case costs one).
   """
   reasons = []
-  for matmul in matmuls:
-    reason = wider_reason(*matmul, policy.min_intensity)
+  for primitive, params, lhs_shape, rhs_shape in matmuls:
+    reason = wider_reason(primitive, params, lhs_shape, rhs_shape, policy.min_intensity)
     if reason is None:
       return
     reasons.append(reason)

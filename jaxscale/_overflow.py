@@ -794,7 +794,8 @@ def _evaluate(jaxpr, consts, args, record=None, where=_Where(), seed=None):
     programs = _interpret.subprograms(eqn.params)
     call = len(programs) == 1 and not eqn.primitive.name.startswith(_COMBINERS) and _is_call(eqn, programs[0][0])
     if record is not None and call:
-      outs = _evaluate(*programs[0], ins, record, here.calling(eqn))
+      (sub, consts), = programs
+      outs = _evaluate(sub, consts, ins, record, here.calling(eqn))
     else:
       outs = _interpret.bind(eqn, ins)
       if record is not None:
@@ -892,7 +893,7 @@ class _Census:
     # Reduced where the arrays are (a GPU's activations are not copied to the host), four
     # numbers each back.
     flags, largest = _summary([jnp.asarray(a) for a in arrays])
-    return [cls(*map(bool, f), float(m)) for f, m in zip(np.asarray(flags), largest)]
+    return [_Census(bool(f[0]), bool(f[1]), bool(f[2]), float(m)) for f, m in zip(np.asarray(flags), largest)]
 
 
 @jax.jit

@@ -206,10 +206,10 @@ def test_mapped_steps_reduce_gradients_in_the_reduce_dtype_where_jax_sums_them(p
     return (jax.lax.pmean(grads, "d") if mapping == "pmap" else grads), finite
 
   params = {"w1": jnp.ones((64, 256)) / 16, "w2": jnp.ones((256, 64)) / 16}
-  x = jnp.linspace(-1, 1, 8 * 4 * 64).reshape(8 * 4, 64)
+  x = jnp.linspace(-1, 1, 8 * 16 * 64).reshape(8 * 16, 64)  # 16 rows a device: a float8 tile
   if mapping == "pmap":
     mapped = jax.pmap(step, axis_name="d", in_axes=(None, None, 0))
-    x = x.reshape(8, 4, 64)
+    x = x.reshape(8, 16, 64)
   else:
     mapped = jax.shard_map(step, mesh=mesh(), in_specs=(P(), P(), P("d")), out_specs=(P(), P()))
   dtypes = psum_dtypes(jax.make_jaxpr(mapped)(jaxscale.init(), params, x).jaxpr)
