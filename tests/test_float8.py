@@ -641,7 +641,9 @@ def test_on_a_tpu_the_matmuls_are_bfloat16_chosen_where_the_program_is_lowered()
   # The operand types of each matmul in the StableHLO lowered for each platform (forward, and w's
   # gradient: x's is not used, and not lowered). The float8 residuals
   # that both branches carry are dead on a TPU, and XLA drops them (the TPU program's budgets).
-  modules = {p: jax.export.export(jax.jit(grad), platforms=[p])(w, x).mlir_module() for p in ("tpu", "cuda")}
+  from jax import export  # a submodule jax 0.7 does not import with jax
+
+  modules = {p: export.export(jax.jit(grad), platforms=[p])(w, x).mlir_module() for p in ("tpu", "cuda")}
   operands = {
       p: [line.split(" : (")[1].split(") -> ")[0] for line in module.splitlines() if "stablehlo.dot_general" in line]
       for p, module in modules.items()

@@ -144,6 +144,9 @@ def test_a_float32_reduction_of_bfloat16_partial_products_rounds_as_float32_does
 # ---------------------------------------------------------------- the scaler's skip decision
 
 
+# jax 0.7's XLA leaves one scalar all-reduce per group of same-shape gradients (three here, beside the
+# loss's): its all-reduce combiner does not merge them, as jax 0.10's does.
+@pytest.mark.skipif(jax.__version_info__ < (0, 8), reason="jax 0.7's XLA does not combine the scalar all-reduces")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("policy", ["mixed_float16", "p=f32,c=f16,o=f32,reduce=f16"])
 def test_the_skip_decision_is_one_all_reduce_of_scalars_whatever_the_sharding(policy, layout):
