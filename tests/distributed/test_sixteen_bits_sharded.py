@@ -1,7 +1,8 @@
 """16-bit parameters and state over 8 devices: stochastic rounding draws the same numbers however
-the parameters are laid out, so a sharded step's parameters and state are bit for bit the
-single-device step's (Kahan's compensation within an ulp a step), and the compensation, the keys
-and the stored moments keep the parameters' sharding."""
+the parameters are laid out, so a sharded step's parameters are bit for bit the single-device
+step's and its state too, but where XLA fuses a float32 update an ulp apart (the stored moments and
+Kahan's compensation, within the bounds derived below); the compensation, the keys and the stored
+moments keep the parameters' sharding."""
 
 import functools
 
@@ -51,10 +52,11 @@ def bits(tree):
 
 @functools.cache
 def single_device_run(method):
-  """The unsharded run's parameters and state (but the compensation) as bytes, and its compensation:
+  """The unsharded run's parameters as bytes, its state's other leaves and its compensation:
   one reference for the three layouts."""
   params, state = run(make(method), initial_params())
-  return bits(params), bits(state._replace(compensation=None)), jax.tree.map(np.asarray, state.compensation)
+  rest = [np.asarray(x) for x in jax.tree.leaves(state._replace(compensation=None))]
+  return bits(params), rest, jax.tree.map(np.asarray, state.compensation)
 
 
 @pytest.mark.parametrize("spec", [P("x", None), P(None, "x"), P()], ids=["rows", "columns", "replicated"])
@@ -67,7 +69,19 @@ def test_sharded_step_is_the_single_device_step(method, spec):
   got_params, got_state = run(make(method), sharded)
   want_params, want_state, want_compensation = single_device_run(method)
   assert bits(got_params) == want_params
-  assert bits(got_state._replace(compensation=None)) == want_state
+  # The stored moments within 2**-8 of their leaf's largest magnitude a step, the rest bit for bit: XLA
+  # may fuse a moment's float32 update `b * m + (1 - b) * g` differently in the sharded program, one
+  # float32 ulp apart, 2**-23 of its terms (at most max|g| for the first moment, about 4 times the leaf's
+  # largest |m| here: 2**-21 of it), and a stochastic rounding of two values that close, with the same
+  # random bits, lands on the same or an adjacent bfloat16 value (2**-8 of the leaf's largest at most).
+  # Where the terms cancel, that is many ulps of the element itself (seen on jax 0.12: -3.0e-8 against
+  # -1.9e-8, once in 2048 elements over three steps).
+  for got, want in zip(jax.tree.leaves(got_state._replace(compensation=None)), want_state, strict=True):
+    got = np.asarray(got)
+    if got.tobytes() != want.tobytes():
+      assert jnp.issubdtype(got.dtype, jnp.floating), (got, want)
+      got, want = got.astype(np.float64), np.asarray(want).astype(np.float64)
+      assert np.all(np.abs(got - want) <= STEPS * 2.0**-8 * np.max(np.abs(want))), np.max(np.abs(got - want))
   # Kahan's compensation (float16, in units of the parameter's ulp) within one of its own ulps per
   # step: XLA fuses Adam's update differently in the sharded program and may round it one float32
   # ulp apart (2**-24 of the update, which is below the parameter's ulp). In the compensation that
