@@ -326,9 +326,11 @@ def adam_with_stored_state(store, grads, lr=1e-3, eps=1e-8):
     p = p - lr * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)
     key, k1, k2 = jax.random.split(key, 3)
     if store == "bfloat16":
-      seeds = lambda k: _rounding.leaf_key(jax.random.key_data(k), _rounding.LOW_PRECISION_STATE, 0)
-      m = _rounding.to_bfloat16(m, seeds(k1)).astype(jnp.float32)
-      v = _rounding.to_bfloat16(v, seeds(k2)).astype(jnp.float32)
+      # As `low_precision_state` stores a parameter's two moments: one hash per element, a half each.
+      seeds = _rounding.leaf_key(jax.random.key_data(k1), _rounding.LOW_PRECISION_STATE, 0)
+      first, second = _rounding.halves(_rounding.random_bits(seeds, m.shape))
+      m = _rounding.to_bfloat16(m, first).astype(jnp.float32)
+      v = _rounding.to_bfloat16(v, second).astype(jnp.float32)
     elif store is not None:
       m, v = store(m, jax.random.uniform(k1, m.shape)), store(v, jax.random.uniform(k2, v.shape))
     return (p, m, v, t, key), None

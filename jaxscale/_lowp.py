@@ -253,13 +253,47 @@ def _encode(tree, which, key):
   An NNX Variable holds one array: the Variable goes around the stored values, not around the
   LowPrecisionArray, whose arrays `nnx.Optimizer` would write back into it as a State.
   """
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=_tree.is_variable)
-  seeds = _rounding.leaf_seeds(key, _rounding.LOW_PRECISION_STATE, [i for i, s in enumerate(which) if s])
-  out = [
-      LowPrecisionArray(_like(x, _stored(_tree.unwrap_variable(x), seeds[i]))) if stored else x
-      for i, (x, stored) in enumerate(zip(leaves, which, strict=True))
-  ]
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_tree.is_variable)
+  leaves = [x for _, x in flat]
+  stored = [i for i, s in enumerate(which) if s]
+  pairs = _pairs([flat[i][0] for i in stored], [_tree.unwrap_variable(leaves[i]) for i in stored])
+  seconds = {stored[b] for b in pairs.values()}
+  firsts = [i for i in stored if i not in seconds]
+  seeds = _rounding.leaf_seeds(key, _rounding.LOW_PRECISION_STATE, firsts)
+  out = list(leaves)
+  for a, b in ((stored[a], None if b is None else stored[b]) for a, b in
+               ((a, pairs.get(a)) for a in range(len(stored)) if stored[a] not in seconds)):
+    x = _tree.unwrap_variable(leaves[a])
+    if b is None:
+      out[a] = LowPrecisionArray(_like(leaves[a], _stored(x, seeds[a])))
+    else:
+      first, second = _stored_pair(x, _tree.unwrap_variable(leaves[b]), seeds[a])
+      out[a] = LowPrecisionArray(_like(leaves[a], first))
+      out[b] = LowPrecisionArray(_like(leaves[b], second))
   return jax.tree.unflatten(treedef, out)
+
+
+def _pairs(paths, leaves) -> dict[int, int]:
+  """Pairs of stored leaves that share one hash per element (positions in ``leaves``, first to second).
+
+  Two leaves pair when they have one shape and their paths differ in one attribute (a state's
+  field), the one nearest the root first: Adam's ``mu['w']`` and ``nu['w']``, which one kernel
+  updates, so that each element's 32 random bits round both (`_rounding.halves`). Leaves that
+  differ by a dictionary key or an index (two parameters, perhaps sharded apart) and leaves
+  without a partner draw their own.
+  """
+  names = [tuple(jax.tree_util.keystr((k,)) for k in path) for path in paths]
+  pairs: dict[int, int] = {}
+  taken: set[int] = set()
+  for j in range(max(map(len, names), default=0)):
+    groups: dict = {}
+    for i, (path, name) in enumerate(zip(paths, names, strict=True)):
+      if j < len(name) and i not in taken and isinstance(path[j], jax.tree_util.GetAttrKey):
+        groups.setdefault((leaves[i].shape, name[:j], name[j + 1:]), []).append(i)
+    for group in groups.values():
+      pairs.update(zip(group[0:len(group) - 1:2], group[1::2]))
+      taken.update(group[:len(group) - len(group) % 2])
+  return pairs
 
 
 @jax.jit
@@ -271,7 +305,14 @@ def _stored(x, seeds):
   benchmarks/NOTES.md), and one program for all the leaves would move each leaf to the devices
   of the others. Under the caller's ``jit`` it is inlined.
   """
-  return _rounding.to_bfloat16(x, seeds)
+  return _rounding.to_bfloat16(x, _rounding.halves(_rounding.random_bits(seeds, x.shape))[0])
+
+
+@jax.jit
+def _stored_pair(x, y, seeds):
+  """Two state leaves of one shape rounded to bfloat16 as `_stored` does, from one hash per element."""
+  first, second = _rounding.halves(_rounding.random_bits(seeds, x.shape))
+  return _rounding.to_bfloat16(x, first), _rounding.to_bfloat16(y, second)
 
 
 def _like(x, value):

@@ -175,7 +175,8 @@ def master_weights(
     if method == "float32":
       master = optax.apply_updates(full, inner_updates)  # on a skipped step: master + -0.0, bit for bit
       new_state = MasterWeightsState(_only_narrow(params, master), inner_state)
-      to_master = lambda p, m: _skip.mask(~skipped, _step_to(p, _clip_to(p.dtype, m).astype(p.dtype))[0])
+      to_master = lambda p, m: _skip.mask(~skipped, _step_to(
+          p.astype(jnp.float32), _rounding.round_to(_clip_to(p.dtype, m), p.dtype), p.dtype)[0])
       updates = jax.tree.map(lambda p, m, u: to_master(p, m) if _is_narrow(p) else u, params, master, inner_updates)
       return updates, new_state
     new_key, draw = (None, None) if state.key is None else jax.random.split(state.key)
@@ -237,55 +238,53 @@ def _float32_params(params, state: MasterWeightsState):
   comp = state.compensation
   if comp is None:
     comp = jax.tree.map(lambda p: optax.MaskedNode(), params)
-  return jax.tree.map(
-      lambda p, c: p.astype(jnp.float32) + _comp_value(p, c) if _is_narrow(p) else p, params, comp
-  )
+  with_comp = lambda p, c: p.astype(jnp.float32) + _comp_value(p.astype(jnp.float32), c, p.dtype)
+  return jax.tree.map(lambda p, c: with_comp(p, c) if _is_narrow(p) else p, params, comp)
 
 
-def _comp_value(p, c):
-  """The compensation's float32 value (0 without one): it is stored in units of ``ulp(p)``."""
+def _comp_value(start, c, dtype):
+  """The compensation's float32 value (0 without one): it is stored in units of the spacing of
+  ``dtype`` at the parameter (``start``, the parameter as float32)."""
   if isinstance(c, optax.MaskedNode):
     return jnp.float32(0)
-  return c.astype(jnp.float32) * _ulp(p)
+  return c.astype(jnp.float32) * _ulp_at(start, dtype)
 
 
 def _narrow_step(p, c, u, skipped, seeds):
   """One 16-bit leaf's update and new compensation (``c``, a MaskedNode without one), with Kahan
-  summation or, given ``seeds``, stochastic rounding; ``-0.0`` and ``c`` on a skipped step."""
+  summation or, given ``seeds``, stochastic rounding; ``-0.0`` and ``c`` on a skipped step.
+
+  Every 16-bit value is handled as the float32 it is (`_rounding.round_to`, `_rounding.widen`) and
+  cast to 16 bits once, exactly, at the end: each operation per element is compiled once per leaf,
+  and the fusion pass's cost grows faster than a kernel's operations (benchmarks/NOTES.md).
+  """
+  dtype = p.dtype
+  start = p.astype(jnp.float32)  # exact, and nothing to fold: `p` is an input of the step
   # The step and the compensation, both below the parameter's ulp or near it, are summed first.
-  step = u + _comp_value(p, c)
-  start = p.astype(jnp.float32)
-  exact = _clip_to(p.dtype, start + step)
+  step = u + _comp_value(start, c, dtype)
+  exact = _clip_to(dtype, start + step)
   if seeds is None:
-    target = exact.astype(p.dtype)
+    wanted = _rounding.round_to(exact, dtype)
+  elif jnp.dtype(dtype) == jnp.bfloat16:
+    wanted = _rounding.bfloat16_grid(exact, _rounding.halves(_rounding.random_bits(seeds, p.shape))[0])
   else:
-    target = _rounding.stochastic_round(exact, p.dtype, _rounding.uniform(seeds, p.shape))
-  update, landed = _step_to(p, target)
-  if not isinstance(c, optax.MaskedNode):
-    # Landed on zero, a remainder beyond 65504 ulps of zero (0.0039 in float16) would saturate
-    # the compensation: one ulp less of update lands one (small, normal) ulp of `p` away from zero
-    # instead, where the remainder, below an ulp of `p`, fits.
-    lost = (landed == 0) & (jnp.abs(start + step) > _SATURATES[jnp.dtype(p.dtype).name])
-    update = jnp.where(lost, _toward_zero(update), update)
-    landed = jnp.where(lost, start + _rounding.widen(update), landed)
-    c = _skip.keep(~skipped, c, _remainder(p, step, landed))
+    wanted = _rounding.widen(_rounding.stochastic_round(exact, dtype, _rounding.uniform(seeds, p.shape)))
+  kahan = not isinstance(c, optax.MaskedNode)
+  update, landed = _step_to(start, wanted, dtype, exact if kahan else None)
+  if kahan:
+    c = _skip.keep(~skipped, c, _remainder(start, step, landed, dtype))
   return _skip.mask(~skipped, update), c
 
 
-def _remainder(p, step, landed):
-  """The new compensation: what the float32 ``step`` has beyond ``landed`` (where ``p`` moved, as
-  float32), in its ulps.
+def _remainder(start, step, landed, dtype):
+  """The new compensation: what the float32 ``step`` has beyond ``landed`` (where the parameter,
+  ``start`` as float32, moved), in the spacing of ``dtype`` there.
 
-  ``landed - p`` is exact in float32 (two nearby 16-bit values), and so, nearly, is ``step`` minus
-  it: no rounding at the parameter's magnitude enters the compensation.
+  ``landed - start`` is exact in float32 (two nearby 16-bit values), and so, nearly, is ``step``
+  minus it: no rounding at the parameter's magnitude enters the compensation.
   """
-  big = _largest(p.dtype)
-  return jnp.clip((step - (landed - p.astype(jnp.float32))) / _ulp_at(landed, p.dtype), -big, big).astype(p.dtype)
-
-
-def _ulp(p: jax.Array) -> jax.Array:
-  """The spacing of ``p``'s dtype at ``|p|``, as a float32 power of two (never a float32 subnormal)."""
-  return _ulp_at(p.astype(jnp.float32), p.dtype)
+  big = _largest(dtype)
+  return jnp.clip((step - (landed - start)) / _ulp_at(landed, dtype), -big, big).astype(dtype)
 
 
 def _ulp_at(x: jax.Array, dtype) -> jax.Array:
@@ -304,10 +303,10 @@ def _clip_to(dtype, x: jax.Array) -> jax.Array:
   return jnp.clip(x, -big, big)
 
 
-def _step_to(param: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """An update, in ``param``'s dtype, with which ``param + update`` (added in that dtype) is
-  ``target`` (a finite value of that dtype) wherever their difference is exact in 16 bits, and
-  where it lands, as float32.
+def _step_to(start, wanted, dtype, compensated=None) -> tuple[jax.Array, jax.Array]:
+  """An update, in ``dtype``, with which a parameter of that dtype (``start``, as float32) plus the
+  update, added in that dtype, is ``wanted`` (a finite value of it, as float32) wherever their
+  difference is exact in 16 bits, and where it lands, as float32.
 
   The difference of two 16-bit values within a factor of two of each other is exact in 16 bits
   (Sterbenz's lemma), and lands. Further apart, the rounded difference lands within half an ulp of
@@ -315,32 +314,35 @@ def _step_to(param: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]
   step corrects it), and never on an infinity. One rounding of the difference, where a search
   among its neighbours for one that lands made the 16-bit step compile several times slower than
   float32 Adam's (benchmarks/NOTES.md).
+
+  Given the ``compensated`` float32 target of a Kahan step, a step that lands on zero with a
+  remainder beyond 65504 ulps of zero (0.0039 in float16), which would saturate the compensation,
+  lands one ulp of the parameter away from zero instead, where the remainder, below that ulp, fits.
   """
-  dtype = param.dtype
-  # Every 16-bit value read back as float32 goes through `widen`: a plain cast back would let
-  # XLA fold the rounding away (`xla_allow_excess_precision`).
-  wanted, start = _rounding.widen(target), param.astype(jnp.float32)
-  first = _clip_to(dtype, wanted - start).astype(dtype)
+  difference = _rounding.round_to(_clip_to(dtype, wanted - start), dtype)
+  landed = _rounding.round_to(start + difference, dtype)
   # The rounded difference can reach half an ulp beyond the largest finite value, which rounds to
   # inf; one ulp less of update cannot.
-  over = jnp.abs(start + _rounding.widen(first)) >= _OVERFLOWS[jnp.dtype(dtype).name]
-  update = jnp.where(over, _toward_zero(first), first)
-  landed = _rounding.widen((start + _rounding.widen(update)).astype(dtype))
+  closer = jnp.isinf(landed)
+  if compensated is not None:
+    closer = closer | ((landed == 0) & (jnp.abs(compensated) > _SATURATES[jnp.dtype(dtype).name]))
+  difference = jnp.where(closer, _toward_zero(difference, dtype), difference)
+  landed = _rounding.round_to(start + difference, dtype)
   # `x + -0.0` is x bit for bit, even for x = -0.0 (where `x + 0.0` is +0.0) and x = inf.
-  return jnp.where(wanted == start, jnp.asarray(-0.0, dtype), update), landed
+  difference = jnp.where(wanted == start, jnp.float32(-0.0), difference)
+  return difference.astype(dtype), landed  # exact: the difference is on the dtype's grid
 
 
-def _toward_zero(x: jax.Array) -> jax.Array:
-  """The 16-bit neighbour of a nonzero finite ``x`` towards zero: its magnitude's bits less one."""
-  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint16) - jnp.uint16(1), x.dtype)
+def _toward_zero(x: jax.Array, dtype) -> jax.Array:
+  """The neighbour in ``dtype`` towards zero of a nonzero finite ``x`` (float32, a value of
+  ``dtype``), as float32: its magnitude's bits less one."""
+  if jnp.dtype(dtype) == jnp.bfloat16:  # float32's upper half: one less there
+    return jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(x, jnp.uint32) - jnp.uint32(1 << 16), jnp.float32)
+  bits = jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16) - jnp.uint16(1)
+  return _rounding.widen(jax.lax.bitcast_convert_type(bits, dtype))
 
 
-# The float32 magnitude from which a sum rounds to inf in each 16-bit dtype: half an ulp beyond its
-# largest finite value (which has an odd last bit, so the tie goes to inf).
-_OVERFLOWS = {
-    name: np.float32(float(fi.max) + 2.0 ** (int(fi.maxexp) - int(fi.nmant) - 2))
-    for name, fi in ((name, jnp.finfo(name)) for name in _rounding.DTYPES)
-}
 # The magnitude of a remainder that saturates the compensation of a parameter at zero: the largest
 # 16-bit value in units of the spacing at zero, as `_ulp_at` gives it.
 _SATURATES = {

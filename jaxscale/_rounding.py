@@ -9,13 +9,15 @@ value is ``x`` exactly::
     u = uniform(seeds, shape)                        # one number per element
     rounded = up if u < (x - down) / (up - down) else down
 
+bfloat16 (every stored state leaf, and bfloat16 parameters) is rounded on its
+bits by `bfloat16_grid`, the same rule with integer arithmetic, from 16
+random bits: one hash per element gives two leaves their bits (`halves`).
+
 The numbers come from a key held in each wrapper's state, split once per
 step, and from a *stream*: each wrapper hashes its own constant and each
 leaf's index into the key, so that `master_weights` and `low_precision_state`
 given the same seed (both default to 0) still draw independent numbers, where
-parameter leaf i and state leaf i once drew the same ones. bfloat16 (every
-stored state leaf) is rounded on its bits by `to_bfloat16`, the same rule
-with integer arithmetic.
+parameter leaf i and state leaf i once drew the same ones.
 
 A low module: it imports nothing else of jaxscale.
 """
@@ -97,14 +99,23 @@ def leaf_seeds(key: jax.Array, stream: int, indices) -> dict[int, tuple[jax.Arra
 def random_bits(seeds: tuple[jax.Array, jax.Array], shape) -> jax.Array:
   """Random uint32 numbers, one per element, from ``seeds`` (`leaf_key`) and each element's index.
 
-  A counter-based hash (Wellons' ``lowbias32``, applied twice, seeded from the key) rather than
-  ``jax.random.bits``: it is elementwise, so it fuses into the rounding that reads it, where
-  threefry's intermediate arrays made ``low_precision_state``'s compiled Adam step carry 42 bytes
-  per parameter of temporaries (benchmarks/NOTES.md). Computed from the global index, so a
-  sharded or replicated array draws the same numbers on every device.
+  One ``lowbias32`` hash (Wellons') of the index mixed with the first seed, offset by the second,
+  rather than ``jax.random.bits``: it is elementwise, so it fuses into the rounding that reads it,
+  where threefry's intermediate arrays made ``low_precision_state``'s compiled Adam step carry 42
+  bytes per parameter of temporaries (benchmarks/NOTES.md). One hash, not two: every operation per
+  element is compiled once per leaf, and XLA's fusion pass grows faster than the operations it
+  fuses, so the hashes were most of a 16-bit step's compile time; the seeds, hashed per leaf and
+  step, carry the mixing between steps. Computed from the global index, so a sharded or
+  replicated array draws the same numbers on every device.
   """
   index = jax.lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
-  return _lowbias32(_lowbias32(index ^ seeds[0]) + seeds[1])
+  return _lowbias32(index ^ seeds[0]) + seeds[1]
+
+
+def halves(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Two independent 16-bit random numbers (as uint32 below 2**16) from each of ``bits``' elements:
+  what one hash gives two leaves rounded to bfloat16 in the same kernel."""
+  return bits >> 16, bits & jnp.uint32(0xFFFF)
 
 
 def uniform(seeds: tuple[jax.Array, jax.Array], shape) -> jax.Array:
@@ -136,11 +147,17 @@ def stochastic_round(x: jax.Array, dtype, u: jax.Array) -> jax.Array:
   return jnp.where(u < fraction, up, down)
 
 
-def to_bfloat16(x: jax.Array, seeds: tuple[jax.Array, jax.Array]) -> jax.Array:
-  """``x`` (float32) rounded stochastically to bfloat16, on its bits: unbiased for every finite value.
+def to_bfloat16(x: jax.Array, bits: jax.Array) -> jax.Array:
+  """``x`` (float32) rounded stochastically to bfloat16 with 16 random bits per element (``bits``,
+  uint32 below 2**16, `halves`): unbiased for every finite value. `bfloat16_grid` says how."""
+  return bfloat16_grid(x, bits).astype(jnp.bfloat16)  # exact: the value is on bfloat16's grid
 
-  bfloat16 is float32's upper 16 bits. Adding 16 random bits to the lower 16 and keeping the upper
-  carries into them with probability (x - down) / (up - down), since the lower bits are that
+
+def bfloat16_grid(x: jax.Array, bits: jax.Array) -> jax.Array:
+  """``x`` (float32) rounded stochastically to bfloat16's grid, as float32, on its bits.
+
+  bfloat16 is float32's upper 16 bits. Adding 16 random bits to the lower 16 and clearing them
+  carries into the upper with probability (x - down) / (up - down), since the lower bits are that
   fraction of the gap in units of 2**-16, in every binade and in the subnormals, and a carry out
   of the mantissa is the next binade's first value. Integer arithmetic only: no float32 difference
   of two neighbours, which flushes to zero below 2**-119 on XLA:CPU (the `stochastic_round` way
@@ -149,11 +166,24 @@ def to_bfloat16(x: jax.Array, seeds: tuple[jax.Array, jax.Array]) -> jax.Array:
   becomes inf; inf stays inf, NaN stays NaN.
   """
   big = jnp.float32(jnp.finfo(jnp.bfloat16).max)
-  bits = jax.lax.bitcast_convert_type(jnp.clip(x.astype(jnp.float32), -big, big), jnp.uint32)
-  upper = ((bits + (random_bits(seeds, x.shape) >> 16)) >> 16).astype(jnp.uint16)
-  rounded = jax.lax.bitcast_convert_type(upper, jnp.bfloat16)
+  x = x.astype(jnp.float32)
+  carried = jax.lax.bitcast_convert_type(jnp.clip(x, -big, big), jnp.uint32) + bits
+  rounded = jax.lax.bitcast_convert_type(carried & jnp.uint32(0xFFFF0000), jnp.float32)
   # inf was clipped, and a NaN's payload could carry into the sign bit: both as they were.
-  return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.bfloat16))
+  return jnp.where(jnp.isfinite(x), rounded, x)
+
+
+def round_to(x: jax.Array, dtype) -> jax.Array:
+  """``x`` (float32, within ``dtype``'s finite range or beyond it) rounded to nearest in ``dtype``
+  (float16 or bfloat16), as the float32 it then is: what a cast there and back would give, with
+  nothing XLA can fold (`widen`).
+
+  bfloat16 has float32's exponent: ``reduce_precision`` is the rounding, one operation. It flushes
+  float16's subnormals to zero (measured on XLA:CPU), so float16 goes through the cast and `widen`.
+  """
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+  return widen(x.astype(dtype))
 
 
 def widen(x: jax.Array) -> jax.Array:

@@ -69,7 +69,12 @@ def skipped_inside(inner_state: Any) -> jax.Array:
   """Whether a ``dynamic_loss_scaling`` inside ``inner_state`` skipped this step (False if none)."""
   is_scaler = lambda x: isinstance(x, _scaler.ScalerState)
   flags = [s.last_skipped for s in jax.tree.leaves(inner_state, is_leaf=is_scaler) if is_scaler(s)]
-  return functools.reduce(operator.or_, flags, jnp.asarray(False))
+  # A scalar of its own, behind a barrier: read from the scaler's packed flags by every leaf's
+  # kernel, the packed array is an operand they share, and XLA then merges the kernels of many
+  # leaves into one, whose compile time grows faster than its size (benchmarks/NOTES.md).
+  if not flags:
+    return jnp.asarray(False)  # a constant XLA folds away, with every select on it
+  return jax.lax.optimization_barrier(functools.reduce(operator.or_, flags))
 
 
 def _check_state_structure(new_state, inner_state):

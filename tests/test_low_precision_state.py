@@ -24,10 +24,16 @@ def spread(n=4096, seed=0):
   return (10.0 ** rng.uniform(-36, 24, n) * rng.choice([-1, 1], n)).astype(np.float32)
 
 
-def test_round_trip_within_one_ulp_of_every_element_and_unbiased():
+@pytest.mark.parametrize("half", [0, 1])
+def test_round_trip_within_one_ulp_of_every_element_and_unbiased(half):
+  """Each half of one hash's bits (the two moments of a parameter share it) rounds unbiasedly."""
   x = spread()
-  seeds = lambda key: _rounding.leaf_key(key, _rounding.LOW_PRECISION_STATE, 0)
-  stored = jax.jit(_rounding.to_bfloat16)(jnp.asarray(x), seeds(jax.random.PRNGKey(0)))
+
+  def to_bfloat16(x, key):
+    bits = _rounding.random_bits(_rounding.leaf_key(key, _rounding.LOW_PRECISION_STATE, 0), x.shape)
+    return _rounding.to_bfloat16(x, _rounding.halves(bits)[half])
+
+  stored = jax.jit(to_bfloat16)(jnp.asarray(x), jax.random.PRNGKey(0))
   assert stored.dtype == jnp.bfloat16
   back = np.asarray(stored.astype(jnp.float32)).astype(np.float64)
   x64 = x.astype(np.float64)
@@ -37,14 +43,31 @@ def test_round_trip_within_one_ulp_of_every_element_and_unbiased():
   assert np.mean(back != x64) > 0.9  # rounded: the test is not vacuous
   # Unbiased: the mean over 256 keys is within 5 standard errors of each value (each draw is off
   # by at most an ulp, so its standard deviation is at most half an ulp).
-  many = jax.jit(jax.vmap(lambda k: _rounding.to_bfloat16(jnp.asarray(x), seeds(k)).astype(jnp.float32)))(
+  many = jax.jit(jax.vmap(lambda k: to_bfloat16(jnp.asarray(x), k).astype(jnp.float32)))(
       jax.random.split(jax.random.PRNGKey(1), 256))
   mean = np.asarray(many, np.float64).mean(axis=0)
   assert np.all(np.abs(mean - x64) <= 5 * 0.5 * 2.0**-7 * np.abs(x64) / np.sqrt(256))
   # The largest float32 values stay finite, infinities stay infinite, NaN stays NaN.
   edges = jnp.asarray([3.4e38, -3.4e38, np.inf, -np.inf, np.nan], jnp.float32)
-  got = np.asarray(_rounding.to_bfloat16(edges, seeds(jax.random.PRNGKey(2))).astype(jnp.float32))
+  got = np.asarray(to_bfloat16(edges, jax.random.PRNGKey(2)).astype(jnp.float32))
   assert np.all(np.isfinite(got[:2])) and list(got[2:4]) == [np.inf, -np.inf] and np.isnan(got[4])
+
+
+def test_the_two_halves_of_a_hash_round_independently():
+  """A parameter's two moments round from the two halves of one hash per element: their rounding
+  decisions must be uncorrelated, or the moments' errors would add up instead of averaging out.
+  x halfway between two bfloat16 neighbours rounds up with probability 1/2 from either half; over
+  n = 2**16 elements the correlation of two independent fair coins has standard deviation
+  1/sqrt(n) = 2**-8, and 5 of them bound it."""
+  n = 2**16
+  x = jnp.full(n, 1.0 + 2.0**-8, jnp.float32)  # halfway between 1 and 1 + 2**-7
+  bits = _rounding.random_bits(_rounding.leaf_key(jax.random.PRNGKey(3), _rounding.LOW_PRECISION_STATE, 0), (n,))
+  up = [np.asarray(_rounding.to_bfloat16(x, h).astype(jnp.float32)) > 1.0 for h in _rounding.halves(bits)]
+  for u in up:
+    assert abs(u.mean() - 0.5) <= 5 * 0.5 / np.sqrt(n)
+  assert abs(np.corrcoef(up[0], up[1])[0, 1]) <= 5 / np.sqrt(n)
+  # Neighbouring elements too: a counter hash with poor mixing rounds runs of them alike.
+  assert abs(np.corrcoef(up[0][:-1], up[0][1:])[0, 1]) <= 5 / np.sqrt(n)
 
 
 def test_adams_second_moment_decays_where_bfloat16_rounded_to_nearest_sticks():

@@ -197,7 +197,9 @@ def sum_in_float16_steps(method, p0, steps, key=0):
 
 
 def ulps(p):
-  return np.asarray(jaxscale._master._ulp(jnp.asarray(p))).astype(np.float64)
+  """The spacing of ``p``'s dtype above ``|p|`` (NumPy's and ml_dtypes' `spacing`), as float64."""
+  p = np.asarray(p)
+  return np.abs(np.spacing(np.abs(p))).astype(np.float64)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
