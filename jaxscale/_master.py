@@ -174,6 +174,8 @@ def master_weights(
     skipped = _skip.skipped_inside(inner_state)
     if method == "float32":
       master = optax.apply_updates(full, inner_updates)  # on a skipped step: master + -0.0, bit for bit
+      # Written before the parameters are rounded from it, on a TPU (`_apart_on_tpu`).
+      master = jax.tree.map(_apart_on_tpu, master)
       new_state = MasterWeightsState(_only_narrow(params, master), inner_state)
       to_master = lambda p, m: _skip.mask(~skipped, _step_to(
           p.astype(jnp.float32), _rounding.round_to(_clip_to(p.dtype, m), p.dtype), p.dtype)[0])
@@ -273,7 +275,21 @@ def _narrow_step(p, c, u, skipped, seeds):
   update, landed = _step_to(start, wanted, dtype, exact if kahan else None)
   if kahan:
     c = _skip.keep(~skipped, c, _remainder(start, step, landed, dtype))
-  return _skip.mask(~skipped, update), c
+  return _apart_on_tpu(_skip.mask(~skipped, update)), c
+
+
+def _apart_on_tpu(x: jax.Array) -> jax.Array:
+  """``x``, written to memory on a TPU before what reads it runs: a kernel boundary XLA:TPU keeps.
+
+  XLA:TPU splits a leaf's step where a 16-bit parameter is read and its 16-bit result written in
+  the kernel that also writes the leaf's state (the ``p + u`` of ``optax.apply_updates``), and the
+  split-off kernel computes Adam again from the gradients and the moments: 12 bytes a parameter
+  more. Written once here (the Kahan and stochastic rounding update, 2 bytes a parameter; the
+  float32 master, which its state writes anyway), the rest reads it: the step moves its floor's
+  HBM bytes (benchmarks/NOTES.md). XLA:GPU fuses each leaf's step into one kernel that reads
+  nothing twice: no boundary there.
+  """
+  return jax.lax.platform_dependent(x, tpu=jax.lax.optimization_barrier, default=lambda x: x)
 
 
 def _remainder(start, step, landed, dtype):
