@@ -115,10 +115,10 @@ def train(tx, params, data, steps=STEPS):
   def body(carry, _):
     p, s = carry
     if scaled:  # true gradients, float32 for the 16-bit parameters (the gradient site's contract)
-      _, g, _ = jaxscale.value_and_grad(mlp_loss)(jaxscale.find_scaler(s), p, x, y)
+      _, g, finite = jaxscale.value_and_grad(mlp_loss)(jaxscale.find_scaler(s), p, x, y)
+      u, s = tx.update(g, s, p, finite=finite)
     else:
-      g = jax.grad(mlp_loss)(p, x, y)
-    u, s = tx.update(g, s, p)
+      u, s = tx.update(jax.grad(mlp_loss)(p, x, y), s, p)
     return (optax.apply_updates(p, u), s), None
 
   return jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), length=steps)[0])(params)
@@ -204,7 +204,8 @@ def adam_step_rows(n_cols):
     state = jax.eval_shape(tx.init, params)
 
     def step(p, s, g, tx=tx):
-      u, s = tx.update(g, s, p)
+      # The flag a gradient site would pass (the step's cost does not depend on its value).
+      u, s = tx.update(g, s, p, **({"finite": jnp.asarray(True)} if has_scaler(s) else {}))
       return optax.apply_updates(p, u), s
 
     row = compiled_row(step, (params, state, grads))
@@ -237,10 +238,10 @@ def lm_step_rows(width=128):
 
     def step(p, s, windows, tx=tx, model_loss=model_loss):
       if has_scaler(s):
-        _, g, _ = jaxscale.value_and_grad(model_loss)(jaxscale.find_scaler(s), p, windows)
+        _, g, finite = jaxscale.value_and_grad(model_loss)(jaxscale.find_scaler(s), p, windows)
+        u, s = tx.update(g, s, p, finite=finite)
       else:
-        g = jax.grad(model_loss)(p, windows)
-      u, s = tx.update(g, s, p)
+        u, s = tx.update(jax.grad(model_loss)(p, windows), s, p)
       return optax.apply_updates(p, u), s
 
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -425,8 +426,8 @@ def lm_quality(steps=LM_STEPS, width=LM_WIDTH, only=None):
 
       def step(params, opt_state, windows, tx=tx, weighted=weighted):
         # True gradients from the gradient site (float32 for the 16-bit parameters).
-        _, grads, _ = jaxscale.value_and_grad(weighted)(jaxscale.find_scaler(opt_state), params, windows)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        _, grads, finite = jaxscale.value_and_grad(weighted)(jaxscale.find_scaler(opt_state), params, windows)
+        updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
         return optax.apply_updates(params, updates), opt_state
 
       step = jax.jit(step, donate_argnums=(0, 1))
