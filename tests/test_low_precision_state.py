@@ -504,3 +504,20 @@ def test_a_state_restored_without_a_target_says_what_to_do(wrap):
   state = state._replace(inner_state=flax.serialization.to_state_dict(state.inner_state))
   with pytest.raises(TypeError, match="`low_precision_state`'s update takes the state its own `init` built"):
     wrap(tx.update)(grads, state, params)
+
+
+def test_a_parameters_two_moments_share_a_hash_and_parameters_do_not():
+  """Adam's ``mu['w']`` and ``nu['w']`` (one kernel updates both) round from the two halves of one
+  hash per element; two parameters of one shape (perhaps sharded apart) each draw their own, as
+  does an optimizer with one moment per parameter."""
+  params = {"a": jnp.ones((3, 2)), "b": jnp.ones((3, 2)), "c": [jnp.ones(4), jnp.ones(5)]}
+
+  def pairs(tx):
+    flat = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tx.init(params))[0] if x.ndim]
+    found = _lowp._pairs([path for path, _ in flat], [x for _, x in flat])
+    name = lambda i: jax.tree_util.keystr(flat[i][0])
+    return sorted((name(a), name(b)) for a, b in found.items())
+
+  assert pairs(optax.chain(optax.clip(1.0), optax.adamw(1e-3))) == [
+      (f"[1][0].mu{k}", f"[1][0].nu{k}") for k in ("['a']", "['b']", "['c'][0]", "['c'][1]")]
+  assert pairs(optax.sgd(0.1, momentum=0.9)) == pairs(optax.lion(1e-3)) == []

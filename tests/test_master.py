@@ -633,3 +633,21 @@ def test_widen_reads_every_16_bit_value_back_exactly(dtype):
   rounded = np.asarray(jax.jit(lambda x: _rounding.widen(x.astype(dtype)))(jnp.asarray(x)))
   np.testing.assert_array_equal(rounded.view(np.uint32), x.astype(dtype).astype(np.float32).view(np.uint32))
   assert np.mean(rounded != x) > 0.99  # rounded: the test is not vacuous
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_round_to_is_the_cast_there_and_back_for_every_float32_exponent(dtype):
+  """`round_to` (bfloat16: XLA's `reduce_precision`; float16: the cast and `widen`) against
+  ml_dtypes' rounding to nearest even through NumPy: random float32 bit patterns over every
+  exponent, so the subnormals, the values that round to the largest finite value and those that
+  round to inf are all there; jitted, where XLA could fold a cast there and back away."""
+  bits = np.random.default_rng(1).integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32)
+  x = bits.view(np.float32)
+  x = x[np.isfinite(x) & (np.abs(x) >= np.finfo(np.float32).tiny)]  # XLA flushes float32 subnormals
+  with np.errstate(over="ignore"):
+    want = x.astype(dtype).astype(np.float32)
+  got = np.asarray(jax.jit(lambda v: _rounding.round_to(v, dtype))(jnp.asarray(x)))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+  assert np.isinf(want).any() and np.mean(want != x) > 0.99  # not vacuous: overflows, and rounded
+  if dtype == jnp.float16:  # and float16's flush to zero and its subnormals, which `reduce_precision` flushes
+    assert (want == 0).any() and ((want != 0) & (np.abs(want) < float(jnp.finfo(dtype).tiny))).any()
