@@ -26,17 +26,23 @@ Per TPU program (`--target tpu-v5e`, `tpu-v5p`, `tpu-v6e`):
               arrays; not the unfused scalar ops between them (the scalar unit's) nor the DMAs that
               bring operands into VMEM (`slice-start`, a `copy-start` into VMEM)
     copies    the HBM copies among them
-    bytes     XLA:TPU's own figure: its cost analysis' "bytes accessed", summed over the program
+    HBM       bytes read from and written to HBM: each kernel's operands and outputs that live in
+              HBM (no memory space in their layout; `S(1)` is VMEM), and each DMA between HBM and
+              VMEM once, for the side in HBM
+    accessed  XLA:TPU's own figure: its cost analysis' "bytes accessed", summed over the program;
+              it counts every operation's operands and outputs wherever they live, VMEM included,
+              so a program whose operands XLA prefetches into VMEM shows more than it moves
+              (float32 Adam: 39 bytes a parameter accessed, 28 in HBM)
     peak      as above, from XLA:TPU's memory analysis
-    est       a roofline for the whole program: max(bytes / HBM bandwidth, FLOPs / bfloat16 peak),
+    est       a roofline for the whole program: max(HBM / HBM bandwidth, FLOPs / bfloat16 peak),
               with XLA's FLOPs, at the datasheet figures (no derating, no launch cost)
     compile   wall seconds of trace + lower + compile (every target; the H100 tables leave it out)
 
 The per-chip figures (bfloat16 / int8 peaks, HBM bandwidth) are Google's Cloud TPU pages'
 (docs.cloud.google.com/tpu/docs/v5e, /v5p-training, /v6e; read 2026-11-28): v5e 197 / 393 TOPS and
 819 GB/s, v5p 459 and 2765 GB/s (its page gives float8 at bfloat16's 459 and no int8; 918 is the
-figure quoted elsewhere), v6e 918 / 1836 and 1640 GB/s. The TPU model's limits: the bytes are
-XLA's cost model's traffic, not a measurement (what it credits to VMEM reuse, we cannot check);
+figure quoted elsewhere), v6e 918 / 1836 and 1640 GB/s. The TPU model's limits: the HBM bytes are
+read from XLA's placement of each buffer, not measured, and "accessed" is XLA's cost model's traffic;
 the program-wide roofline assumes that compute and memory overlap perfectly, so it is a lower
 bound; int8 peaks are listed, never used (no table has int8 matmuls); the 1x1 topologies are one
 chip (v5p's two TensorCores as one device).
@@ -212,6 +218,7 @@ class Program:
   estimate_s: float
   compile_s: float = 0.0
   collectives: tuple = ()  # ((op, dtype, bytes), ...): the bytes each op moves in each dtype, summed
+  accessed_bytes: int = 0  # a TPU's: XLA:TPU's cost analysis' "bytes accessed" (VMEM traffic included)
 
   @property
   def collective_bytes(self) -> int:
@@ -348,9 +355,43 @@ def read_tpu_program(compiled, chip: Tpu) -> Program:
       fp8 += any(body_shapes.get(o, shapes.get(o, "")).startswith("f8") for o in operand_names(conv))
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, list) else cost  # a list of one dict before jax 0.4.36
-  moved, flops = float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0))
+  accessed, flops = float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0))
+  moved = tpu_hbm_bytes(comps["ENTRY"])
   estimate = max(moved / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
-  return Program(kernels, int(moved), copies, fp8, gemms, peak_bytes(compiled), estimate)
+  return Program(kernels, moved, copies, fp8, gemms, peak_bytes(compiled), estimate, accessed_bytes=int(accessed))
+
+
+def tpu_hbm_bytes(entry: list[re.Match]) -> int:
+  """The bytes a TPU program's ENTRY computation reads from and writes to HBM.
+
+  Each operation's operands and outputs that live in HBM (a layout without a memory space; `S(1)`
+  is VMEM); a DMA into or out of VMEM (`copy-start`, `slice-start`) once, for its side in HBM. Not
+  counted: what stays in VMEM, the scalar unit's operations on scalars, ConcatBitcast (it joins
+  pieces already in VMEM) and the second halves of asynchronous pairs.
+  """
+  shapes, moved = {}, 0
+  for m in entry:
+    shapes[m["name"]] = m["shape"]
+    op = m["op"]
+    if op in TPU_NO_KERNEL - {"slice-start"} or 'custom_call_target="ConcatBitcast"' in m["attributes"]:
+      continue
+    if op in ("copy-start", "slice-start"):
+      # Its output is (destination, source, context) or ((source), destination, context).
+      destination = _placed_arrays(m["shape"])[0 if op == "copy-start" else 1]
+      source_in_hbm = all(in_hbm for _, in_hbm in _placed_arrays(shapes.get(operand_names(m)[0], "")))
+      moved += destination[0] * (source_in_hbm + destination[1])
+      continue
+    if op != "fusion" and re.match(r"\w+\[\]", m["shape"]):  # the scalar unit's, between kernels
+      continue
+    arrays = _placed_arrays(m["shape"]) + [a for o in operand_names(m) for a in _placed_arrays(shapes.get(o, ""))]
+    moved += sum(n for n, in_hbm in arrays if in_hbm)
+  return moved
+
+
+def _placed_arrays(shape: str) -> list[tuple[int, bool]]:
+  """(bytes, in HBM) of each array in an HLO shape with layouts, ``bf16[8]{0:T(1024)S(1)}``."""
+  return [(math.prod(int(d) for d in dims.split(",") if d) * BYTES.get(dtype, 4), "S(" not in layout)
+          for dtype, dims, layout in re.findall(r"(\w+)\[([\d,]*)\](\{[^}]*\})?", shape) if dtype != "token"]
 
 
 def operand_names(instruction: re.Match) -> list[str]:
@@ -654,12 +695,13 @@ def markdown(title, programs: dict[str, Program]) -> list[str]:
 def tpu_markdown(title, programs: dict[str, Program]) -> list[str]:
   base = next(iter(programs.values()))
   lines = [f"**{title}**", "",
-           "| program | kernels | bytes accessed MB | x | copies | float8 matmuls | peak MB | x | roofline ms | x "
+           "| program | kernels | HBM MB | x | accessed MB | x | copies | float8 matmuls | peak MB | x | roofline ms | x "
            "| compile s |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for name, p in programs.items():
     r = p.ratios(base)
-    lines.append(f"| {name} | {p.kernels} | {p.hbm_bytes / 1e6:.1f} | {r['hbm']:.3f} | {p.copies} | {p.fp8_gemms} | "
+    lines.append(f"| {name} | {p.kernels} | {p.hbm_bytes / 1e6:.1f} | {r['hbm']:.3f} | {p.accessed_bytes / 1e6:.1f} | "
+                 f"{p.accessed_bytes / base.accessed_bytes:.3f} | {p.copies} | {p.fp8_gemms} | "
                  f"{p.peak_bytes / 1e6:.1f} | {r['peak']:.3f} | {p.estimate_s * 1e3:.3f} | {r['estimate']:.3f} | "
                  f"{p.compile_s:.1f} |")
   return lines + [""]
