@@ -695,8 +695,8 @@ def markdown(title, programs: dict[str, Program]) -> list[str]:
 def tpu_markdown(title, programs: dict[str, Program]) -> list[str]:
   base = next(iter(programs.values()))
   lines = [f"**{title}**", "",
-           "| program | kernels | HBM MB | x | accessed MB | x | copies | float8 matmuls | peak MB | x | roofline ms | x "
-           "| compile s |",
+           "| program | kernels | HBM MB | x | accessed MB | x | copies | float8 matmuls | peak MB | x "
+           "| roofline ms | x | compile s |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for name, p in programs.items():
     r = p.ratios(base)
