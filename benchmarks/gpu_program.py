@@ -23,8 +23,8 @@ Per TPU program (`--target tpu-v5e`, `tpu-v5p`, `tpu-v6e`):
 
     kernels   the ENTRY computation's fusions, convolutions, copies in HBM (`copy`, `copy-start`),
               custom calls but ConcatBitcast (it joins slices already in VMEM) and unfused ops on
-              arrays; not the unfused scalar ops between them (the scalar unit's) nor the DMAs that
-              bring operands into VMEM (`slice-start`, a `copy-start` into VMEM)
+              arrays; not the unfused scalar ops between them (the scalar unit's) nor the DMAs
+              between HBM and VMEM (`slice-start`, a `copy-start` into VMEM or out of it)
     copies    the HBM copies among them
     HBM       bytes read from and written to HBM: each kernel's operands and outputs that live in
               HBM (no memory space in their layout; `S(1)` is VMEM), and each DMA between HBM and
@@ -342,8 +342,9 @@ def read_tpu_program(compiled, chip: Tpu) -> Program:
     shapes[m["name"]] = m["shape"]
     # An unfused op on a scalar is the scalar unit's work, between kernels (a reduction to one is a fusion).
     scalar = m["op"] != "fusion" and re.match(r"\w+\[\]", m["shape"]) is not None
-    prefetch = m["op"] == "copy-start" and "S(1)" in m["shape"].split("}")[0]  # a DMA into VMEM
-    if m["op"] in TPU_NO_KERNEL or scalar or prefetch or 'custom_call_target="ConcatBitcast"' in m["attributes"]:
+    # A DMA between HBM and VMEM (a prefetch, or an output evicted to HBM), not a copy in HBM.
+    dma = m["op"] == "copy-start" and not all(in_hbm for _, in_hbm in _placed_arrays(m["shape"])[:2])
+    if m["op"] in TPU_NO_KERNEL or scalar or dma or 'custom_call_target="ConcatBitcast"' in m["attributes"]:
       continue
     kernels += 1
     copies += m["op"] in ("copy", "copy-start")
