@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -339,6 +340,13 @@ def _marked(fun, reason: str):
 
 def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True, True), reduce_dtype=None):
   """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``, ``reduce_dtype``: `matmul`)."""
+  return lambda lhs, rhs: _scaled_for(
+      primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, reduce_dtype, (lhs.shape, rhs.shape))(lhs, rhs)
+
+
+def _scaled_for(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, reduce_dtype, shapes):
+  """`_scaled` for operands of ``shapes``: its backward pass pads the gradient as the forward padded the product."""
+  lhs_shape, rhs_shape = shapes
   own = lambda dtype: dtype if reduce_dtype is None or dtype == compute_dtype else reduce_dtype
   written = [own(dtype) if given else compute_dtype for dtype, given in zip((lhs_dtype, rhs_dtype), inputs)]
 
@@ -353,20 +361,24 @@ def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True
     return da, db
 
   def forward(lhs, rhs):
-    (qa, ka), (qb, kb) = quantize(lhs, FORWARD), quantize(rhs, FORWARD)
     if primitive.name == "dot_general":
-      y = _unscaled_product(product, (qa, qb), (ka, kb), compute_dtype)
+      pads = _gemm_padding(params, lhs.shape, rhs.shape)
+      (qa, ka), (qb, kb) = quantize(_pad(lhs, pads[0]), FORWARD), quantize(_pad(rhs, pads[1]), FORWARD)
+      y = _unpad(_unscaled_product(product, (qa, qb), (ka, kb), compute_dtype), pads[2])
     else:
+      (qa, ka), (qb, kb) = quantize(lhs, FORWARD), quantize(rhs, FORWARD)
       y = _unscaled(lambda dtype: product(qa, qb, dtype), ka + kb, compute_dtype)
     return y, (qa, ka, qb, kb)
 
   def backward(residuals, g):
     qa, ka, qb, kb = residuals
-    qg, kg = quantize(g, BACKWARD)
     if primitive.name == "dot_general":
-      da = _dot_cotangent(qg, qb, params, qa.ndim, (kg, kb), written[0], lhs=True)
-      db = _dot_cotangent(qg, qa, params, qb.ndim, (ka, kg), written[1], lhs=False)
+      lhs_pads, rhs_pads, out_pads = _gemm_padding(params, lhs_shape, rhs_shape)
+      qg, kg = quantize(_pad(g, out_pads), BACKWARD)
+      da = _unpad(_dot_cotangent(qg, qb, params, qa.ndim, (kg, kb), written[0], lhs=True), lhs_pads)
+      db = _unpad(_dot_cotangent(qg, qa, params, qb.ndim, (ka, kg), written[1], lhs=False), rhs_pads)
     else:
+      qg, kg = quantize(g, BACKWARD)
       da, db = _marked(conv_cotangents, "conv_backward")(qg, qa, qb)
       da, db = _unscaled(da.astype, kg + kb, written[0]), _unscaled(db.astype, kg + ka, written[1])
     return da.astype(lhs_dtype), db.astype(rhs_dtype)
@@ -374,6 +386,44 @@ def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True
   scaled = jax.custom_vjp(lambda lhs, rhs: forward(lhs, rhs)[0])
   scaled.defvjp(forward, _first_order_only(backward))
   return scaled
+
+
+def _gemm_padding(params, lhs_shape, rhs_shape) -> tuple[tuple, tuple, tuple]:
+  """The zeros to append to each dimension of the lhs, the rhs and the product: GEMM sizes multiples of 16.
+
+  The GEMM's M, N and K (the products of the kept and of the contracted dimensions) become multiples of 16.
+
+  cuBLASLt's float8 GEMMs take only such sizes; XLA pads a float8 operand that is not, after its
+  cast, and pads a transposed copy again: a vocabulary of 50257 had its gradient read and written
+  three times. Padded here, before the cast, the one fusion that writes an operand's float8 layouts
+  writes them padded. The last dimension of each group (kept, contracted) grows; zeros add nothing
+  to a sum of products, and the padded rows and columns of the product are sliced off.
+  """
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params["dimension_numbers"]
+  lhs_pads, rhs_pads = [0] * len(lhs_shape), [0] * len(rhs_shape)
+
+  def grow(shape, dims):  # the zeros to add to dims[-1] for a product of dims that is a multiple of 16
+    rest = _prod(shape[d] for d in dims[:-1])
+    return -shape[dims[-1]] % (_SMALL // math.gcd(rest, _SMALL))
+
+  kept = []
+  for shape, pads, contract, batch in ((lhs_shape, lhs_pads, lhs_contract, lhs_batch),
+                                       (rhs_shape, rhs_pads, rhs_contract, rhs_batch)):
+    kept.append([d for d in range(len(shape)) if d not in contract and d not in batch])
+    if kept[-1]:
+      pads[kept[-1][-1]] = grow(shape, kept[-1])
+  if lhs_contract:
+    lhs_pads[lhs_contract[-1]] = rhs_pads[rhs_contract[-1]] = grow(lhs_shape, list(lhs_contract))
+  out_pads = [0] * len(lhs_batch) + [lhs_pads[d] for d in kept[0]] + [rhs_pads[d] for d in kept[1]]
+  return tuple(lhs_pads), tuple(rhs_pads), tuple(out_pads)
+
+
+def _pad(x: jax.Array, pads: tuple) -> jax.Array:
+  return jnp.pad(x, [(0, p) for p in pads]) if any(pads) else x
+
+
+def _unpad(x: jax.Array, pads: tuple) -> jax.Array:
+  return x[tuple(slice(0, n - p) for n, p in zip(x.shape, pads))] if any(pads) else x
 
 
 def _first_order_only(backward):

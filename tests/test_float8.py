@@ -3,6 +3,7 @@ bit for bit against ml_dtypes' rounding of exact float64 products; the matmul's 
 errors against float64 within a bound derived from the formats; scale invariance; zeros, inf, NaN."""
 
 import contextlib
+import math
 import warnings
 
 import jax
@@ -282,7 +283,36 @@ def dot_vjp64(a, b, g, dims):
 GRADIENT_CASES = {
     "matrix": ((48, 64), (64, 32), MATMUL),
     "permuted": ((2, 5, 3, 16), (16, 2, 3, 6), (((3, 2), (0, 2)), ((0,), (1,)))),
+    # No GEMM size a multiple of 16 (M 3 * 17, K 50, N 35): every operand and the gradient padded with zeros.
+    "unaligned": ((3, 17, 50), (50, 35), (((2,), (0,)), ((), ()))),
 }
+
+
+@pytest.mark.parametrize("lhs, rhs, dims", [
+    ((8, 1024, 768), (50257, 768), (((2,), (1,)), ((), ()))),  # GPT-2's tied logits
+    ((3, 17, 50), (50, 35), (((2,), (0,)), ((), ()))),
+    ((2, 5, 3, 16), (16, 2, 3, 6), (((3, 2), (0, 2)), ((0,), (1,)))),
+    ((4, 6, 10), (4, 10, 12), (((2,), (1,)), ((0,), (0,)))),
+])
+def test_gemm_padding_makes_each_gemm_size_a_multiple_of_16(lhs, rhs, dims):
+  """M (the lhs's kept sizes' product), N (the rhs's) and K (the contracted sizes') become multiples of 16,
+  each by growing one dimension by less than 16, the two operands' contracted dimensions alike."""
+  lhs_pads, rhs_pads, out_pads = _float8._gemm_padding({"dimension_numbers": dims}, lhs, rhs)
+  (lc, rc), (lb, rb) = dims
+  padded_l = [n + p for n, p in zip(lhs, lhs_pads)]
+  padded_r = [n + p for n, p in zip(rhs, rhs_pads)]
+  kept_l = [d for d in range(len(lhs)) if d not in lc and d not in lb]
+  kept_r = [d for d in range(len(rhs)) if d not in rc and d not in rb]
+  for shape, group in ((padded_l, kept_l), (padded_r, kept_r), (padded_l, lc)):
+    assert math.prod(shape[d] for d in group) % 16 == 0
+  assert [padded_l[d] for d in lc] == [padded_r[d] for d in rc]
+  assert all(0 <= p < 16 for p in (*lhs_pads, *rhs_pads)) and sum(p > 0 for p in lhs_pads) <= 2
+  assert all(lhs_pads[d] == 0 for d in lb) and all(rhs_pads[d] == 0 for d in rb)
+  out = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), jnp.zeros(padded_l), jnp.zeros(padded_r))
+  assert list(out_pads) == [n - m for n, m in zip(out.shape, lax.dot_general(
+      jnp.zeros(lhs), jnp.zeros(rhs), dims).shape)]
+  if lhs == (8, 1024, 768):
+    assert rhs_pads == (15, 0) and lhs_pads == (0, 0, 0)
 
 
 @pytest.mark.parametrize("g_scale", [1e-8, 1.0, 1e6])
