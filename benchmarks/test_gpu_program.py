@@ -123,10 +123,10 @@ def test_sixteen_bit_steps_move_the_bytes_their_dtypes_imply_at_any_number_of_le
 # At d 4096 every projection and the logits do, 13 forward and 26 backward. Quantizing costs an amax and
 # a cast pass per operand: GPT-2 small's estimate is 0.989x bfloat16's since the rule pads the 50257-wide
 # logits' operands before their cast (1.0105x before: XLA padded the float8 gradient after, twice), and
-# "mixed_float8" is never slower than "mixed_bfloat16" (1.0 the budget); d 4096's 0.759x.
+# "mixed_float8" is never slower than "mixed_bfloat16" (1.0 the budget); d 4096's 0.745x (0.759x before).
 MODELS = {
     "GPT-2-small-shaped step (12 x d 768, seq 1024, batch 8), AdamW": dict(fp8_gemms=75, peak=1.0, estimate=1.0),
-    "Transformer step, 2 x d 4096, mlp 16384, seq 2048, batch 4, AdamW": dict(fp8_gemms=39, peak=1.0, estimate=0.78),
+    "Transformer step, 2 x d 4096, mlp 16384, seq 2048, batch 4, AdamW": dict(fp8_gemms=39, peak=1.0, estimate=0.76),
 }
 
 
