@@ -38,6 +38,11 @@ Per TPU program (`--target tpu-v5e`, `tpu-v5p`, `tpu-v6e`):
               with XLA's FLOPs, at the datasheet figures (no derating, no launch cost)
     compile   wall seconds of trace + lower + compile (every target; the H100 tables leave it out)
 
+The sixteen tables (`sixteen`, `sixteen-gpt`) add, on every target, the compile time in CPU seconds of
+this process (all of XLA's threads: a shared machine's load changes it less than wall time) and its
+ratio to the table's first row, compiled in the same run: float32 Adam's, or the `"mixed_bfloat16"`
+step's for the GPT-2-small-shaped training step with bfloat16 parameters.
+
 The per-chip figures (bfloat16 / int8 peaks, HBM bandwidth) are Google's Cloud TPU pages'
 (docs.cloud.google.com/tpu/docs/v5e, /v5p-training, /v6e; read 2026-11-28): v5e 197 / 393 TOPS and
 819 GB/s, v5p 459 and 2765 GB/s (its page gives float8 at bfloat16's 459 and no int8; 918 is the
@@ -50,6 +55,8 @@ chip (v5p's two TensorCores as one device).
     python benchmarks/gpu_program.py                  # the scaler, sixteen-bit and float8 tables
     python benchmarks/gpu_program.py scaler mlp       # some of them (see --help)
     python benchmarks/gpu_program.py models           # real models' training steps (benchmarks/models.py)
+    python benchmarks/gpu_program.py sixteen --leaves 8 48 150 1000   # the 16-bit steps at these leaf counts
+    python benchmarks/gpu_program.py sixteen-gpt      # the 16-bit GPT-2-small-shaped training step
     python benchmarks/gpu_program.py --write-docs     # and regenerate docs/performance.md's tables
     python benchmarks/gpu_program.py --target tpu-v5e adam mlp float8   # TPU v5e programs
     python benchmarks/gpu_program.py reduce           # 8 H100s: what crosses devices, in which dtype
@@ -216,7 +223,8 @@ class Program:
   gemms: int
   peak_bytes: int
   estimate_s: float
-  compile_s: float = 0.0
+  compile_s: float = 0.0  # trace + lower + compile, wall seconds
+  compile_cpu_s: float = 0.0  # the same, CPU seconds of this process
   collectives: tuple = ()  # ((op, dtype, bytes), ...): the bytes each op moves in each dtype, summed
   accessed_bytes: int = 0  # a TPU's: XLA:TPU's cost analysis' "bytes accessed" (VMEM traffic included)
 
@@ -226,7 +234,8 @@ class Program:
 
   def ratios(self, base: Program) -> dict:
     return {"kernels": self.kernels / base.kernels, "hbm": self.hbm_bytes / base.hbm_bytes,
-            "peak": self.peak_bytes / base.peak_bytes, "estimate": self.estimate_s / base.estimate_s}
+            "peak": self.peak_bytes / base.peak_bytes, "estimate": self.estimate_s / base.estimate_s,
+            "compile": self.compile_cpu_s / base.compile_cpu_s if base.compile_cpu_s else math.nan}
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\S+) (?P<op>[\w\-]+)\("
@@ -413,12 +422,12 @@ def dot_flops(body: list[re.Match]) -> float:
 
 
 def measure(step, *args, donate=(0, 1), target="h100") -> Program:
-  """The program of `step` compiled for `target`, with the wall time of its trace, lowering and compilation."""
-  start = time.perf_counter()
+  """The program of `step` compiled for `target`, with the wall and CPU time of its trace, lowering and compilation."""
+  wall, cpu = time.perf_counter(), time.process_time()
   compiled = compile_for(target, step, *args, donate=donate)
-  seconds = time.perf_counter() - start
+  wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
   program = read_program(compiled) if target == "h100" else read_tpu_program(compiled, TPUS[target])
-  return dataclasses.replace(program, compile_s=seconds)
+  return dataclasses.replace(program, compile_s=wall, compile_cpu_s=cpu)
 
 
 # ---------------------------------------------------------------- the configurations
@@ -499,12 +508,29 @@ def hand_written_kahan(params, state, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8
 
 
 # The leaf counts of the sixteen tables: the benchmark's 8, and the leaf counts of real models (a
-# ResNet50 has 161 parameter leaves, GPT-2 small 148). 1000 leaves is its own, slower table.
+# ResNet50 has 161 parameter leaves, GPT-2 small 148). 1000 leaves (`--leaves 1000`) compiles for minutes.
 SIXTEEN_LEAVES = (8, 48, 150)
 
 
 def sixteen_tables(leaves=SIXTEEN_LEAVES, n_params=32_000_000):
   return {f"Adam step, {n_params // 1_000_000}M params / {n} leaves": sixteen_table(n_params, n) for n in leaves}
+
+
+def sixteen_gpt_table():
+  """The GPT-2-small-shaped training step (benchmarks/models.py) with bfloat16 parameters, Kahan,
+  bfloat16 state and the scaler, against the `"mixed_bfloat16"` step with AdamW, float32 and bfloat16
+  first moment: the 16-bit step's peak must stay 4 bytes a parameter below the latter's."""
+  import models
+
+  def row(build):
+    return lambda: (*build(), (0, 1))
+
+  bf16_mu = optax.adamw(3e-4, weight_decay=0.1, mu_dtype=jnp.bfloat16)
+  return {"GPT-2-small-shaped step (12 x d 768, seq 1024, batch 8), 16-bit": {
+      "mixed_bfloat16, AdamW": row(functools.partial(models.gpt_step, "mixed_bfloat16")),
+      "mixed_bfloat16, AdamW(mu_dtype=bfloat16)": row(functools.partial(models.gpt_step, "mixed_bfloat16", tx=bf16_mu)),
+      "bfloat16 params, kahan + bf16 state + scaler": row(models.gpt_sixteen_step),
+  }}
 
 
 def transformer_block(params, x, *, heads):
@@ -621,9 +647,9 @@ def reduce_table(layout, width=4096, tokens_per_gpu=1024, n=8):
 
 TABLES = {
     "scaler": scaler_tables,
-    "sixteen": sixteen_tables,
-    # Not in the default run: each of its steps compiles for tens of seconds.
-    "sixteen-1000": lambda: sixteen_tables((1000,)),
+    "sixteen": sixteen_tables,  # its leaf counts: `--leaves`
+    # Not in the default run: its 16-bit step compiles for about a minute.
+    "sixteen-gpt": sixteen_gpt_table,
     "float8": lambda: {"transformer block fwd+bwd, d 4096, seq 2048, batch 4": float8_table(),
                        "transformer block fwd+bwd, d 1024, seq 1024, batch 4": float8_table(1024, 1024),
                        "conv net fwd+bwd, 4 x 3x3x128, 32x32, batch 64": conv_table()},
@@ -642,6 +668,8 @@ TABLES = {
 
 
 DEFAULT_TABLES = ["scaler", "sixteen", "float8"]
+# The tables whose compile time is part of the result: a CPU-seconds column and its ratio.
+TIMED_TABLES = ("sixteen", "sixteen-gpt")
 
 
 def _importable(module):
@@ -679,32 +707,38 @@ def over_budget(program: Program, base: Program, **budget) -> list[str]:
 # ---------------------------------------------------------------- reporting
 
 
-def markdown(title, programs: dict[str, Program]) -> list[str]:
+def markdown(title, programs: dict[str, Program], timed=False) -> list[str]:
+  """An H100 table; `timed`: with the compile time in CPU seconds and its ratio to the first row's."""
   base = next(iter(programs.values()))
   if any(p.collectives for p in programs.values()):
     return collectives_markdown(title, programs)
   lines = [f"**{title}**", "",
-           "| program | kernels | HBM MB | x | copies | FP8 GEMMs | peak MB | x | estimate ms | x |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| program | kernels | HBM MB | x | copies | FP8 GEMMs | peak MB | x | estimate ms | x |"
+           + (" compile s (CPU) | x |" if timed else ""),
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+           + (" ---: | ---: |" if timed else "")]
   for name, p in programs.items():
     r = p.ratios(base)
     lines.append(f"| {name} | {p.kernels} | {p.hbm_bytes / 1e6:.1f} | {r['hbm']:.3f} | {p.copies} | {p.fp8_gemms} | "
-                 f"{p.peak_bytes / 1e6:.1f} | {r['peak']:.3f} | {p.estimate_s * 1e3:.3f} | {r['estimate']:.3f} |")
+                 f"{p.peak_bytes / 1e6:.1f} | {r['peak']:.3f} | {p.estimate_s * 1e3:.3f} | {r['estimate']:.3f} |"
+                 + (f" {p.compile_cpu_s:.2f} | {r['compile']:.2f} |" if timed else ""))
   return lines + [""]
 
 
-def tpu_markdown(title, programs: dict[str, Program]) -> list[str]:
+def tpu_markdown(title, programs: dict[str, Program], timed=False) -> list[str]:
+  """A TPU table (wall seconds of compilation always); `timed`: CPU seconds too, and their ratio."""
   base = next(iter(programs.values()))
   lines = [f"**{title}**", "",
            "| program | kernels | HBM MB | x | accessed MB | x | copies | float8 matmuls | peak MB | x "
-           "| roofline ms | x | compile s |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| roofline ms | x | compile s |" + (" compile s (CPU) | x |" if timed else ""),
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+           + (" ---: | ---: |" if timed else "")]
   for name, p in programs.items():
     r = p.ratios(base)
     lines.append(f"| {name} | {p.kernels} | {p.hbm_bytes / 1e6:.1f} | {r['hbm']:.3f} | {p.accessed_bytes / 1e6:.1f} | "
                  f"{p.accessed_bytes / base.accessed_bytes:.3f} | {p.copies} | {p.fp8_gemms} | "
                  f"{p.peak_bytes / 1e6:.1f} | {r['peak']:.3f} | {p.estimate_s * 1e3:.3f} | {r['estimate']:.3f} | "
-                 f"{p.compile_s:.1f} |")
+                 f"{p.compile_s:.1f} |" + (f" {p.compile_cpu_s:.2f} | {r['compile']:.2f} |" if timed else ""))
   return lines + [""]
 
 
@@ -741,6 +775,9 @@ def main(argv=None):
   parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
   parser.add_argument("--write-docs", action="store_true", help="write the tables into docs/performance.md")
   parser.add_argument("--target", choices=TARGETS, default="h100", help="the chip to compile for (default: h100)")
+  parser.add_argument("--leaves", type=int, nargs="+", default=list(SIXTEEN_LEAVES), metavar="N",
+                      help="the sixteen table's leaf counts, of 32M parameters in all (default: "
+                           f"{' '.join(map(str, SIXTEEN_LEAVES))}; 1000 compiles for minutes)")
   args = parser.parse_args(argv)
   chosen = args.tables or DEFAULT_TABLES
   if unknown := [t for t in chosen if t not in TABLES]:
@@ -749,25 +786,29 @@ def main(argv=None):
     sharding(args.target)  # before any work: say what is missing at once
   except RuntimeError as e:
     parser.exit(1, f"{parser.prog}: {e}\n")
-  results = {}
+  results, timed = {}, set()
   for table in chosen:
-    for title, rows in TABLES[table]().items():
+    configurations = sixteen_tables(args.leaves) if table == "sixteen" else TABLES[table]()
+    for title, rows in configurations.items():
       print(f"compiling: {title}", file=sys.stderr, flush=True)
       results[title] = measure_table(rows, target=args.target)
+      if table in TIMED_TABLES:
+        timed.add(title)
   if args.json:
     print(json.dumps({t: {n: dataclasses.asdict(p) for n, p in ps.items()} for t, ps in results.items()}, indent=1))
     return
+  argv_shown = sys.argv[1:] if argv is None else argv
   if args.target == "h100":
     header = (f"H100 (sm_90) programs, compiled without a GPU by jax {jax.__version__}'s XLA:GPU "
-              f"(`python benchmarks/gpu_program.py {' '.join(chosen)}`); x: ratio to the table's first row.")
+              f"(`python benchmarks/gpu_program.py {' '.join(argv_shown)}`); x: ratio to the table's first row.")
     table_lines = markdown
   else:
     header = (f"TPU {args.target[4:]} programs (one chip, `{TPUS[args.target].topology}`), compiled without a TPU by "
               f"jax {jax.__version__}'s XLA:TPU (libtpu {_version('libtpu')}; `python benchmarks/gpu_program.py "
-              f"--target {args.target} {' '.join(chosen)}`); bytes: XLA:TPU's cost analysis; x: ratio to the "
+              f"{' '.join(argv_shown)}`); bytes: XLA:TPU's cost analysis; x: ratio to the "
               "table's first row; compile: this run's wall seconds.")
     table_lines = tpu_markdown
-  text = "\n".join([header, "", *(line for t, ps in results.items() for line in table_lines(t, ps))])
+  text = "\n".join([header, "", *(line for t, ps in results.items() for line in table_lines(t, ps, t in timed))])
   print(text)
   if args.write_docs:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "performance.md")

@@ -10,6 +10,7 @@ and its arguments as `jax.ShapeDtypeStruct`s (from `jax.eval_shape`: nothing is 
     step, args = gpt_step("mixed_float8", GPTConfig(layers=2, width=4096, mlp=16384, heads=32,
                                                     seq=2048, batch=4))
     step, args = resnet_step("mixed_bfloat16")                  # ResNet50, 224x224, batch 64
+    step, args = gpt_sixteen_step()                             # bfloat16 parameters, Kahan, 16-bit state
     jax.jit(step, donate_argnums=(0, 1)).trace(*args).lower().compile()
 
 `step(params, opt_state, batch)` returns the new parameters and optimizer state (and, for the
@@ -78,17 +79,11 @@ def adamw():
   return optax.adamw(3e-4, weight_decay=0.1)
 
 
-def gpt_step(policy, config: GPTConfig = GPTConfig()):
-  """`(step, (params, opt_state, tokens))`: next-token prediction under `policy`, AdamW, shapes only."""
-  model, tx = GPT(config), adamw()
+def gpt_step(policy, config: GPTConfig = GPTConfig(), tx=None):
+  """`(step, (params, opt_state, tokens))`: next-token prediction under `policy`, `tx` (default AdamW), shapes only."""
+  model, tx = GPT(config), tx or adamw()
   tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
-
-  def loss(params, tokens):
-    logits = model.apply({"params": params}, tokens)
-    targets = jnp.roll(tokens, -1, axis=-1)
-    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets[:, :-1]).mean()
-
-  cast_loss = jaxscale.autocast(loss, policy)
+  cast_loss = jaxscale.autocast(_next_token_loss(model), policy)
 
   def step(params, opt_state, tokens):
     value, grads = jax.value_and_grad(cast_loss)(params, tokens)
@@ -97,6 +92,34 @@ def gpt_step(policy, config: GPTConfig = GPTConfig()):
 
   params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
   return step, (params, jax.eval_shape(tx.init, params), tokens)
+
+
+def gpt_sixteen_step(config: GPTConfig = GPTConfig()):
+  """`gpt_step` with bfloat16 parameters and AdamW in `master_weights(..., method="kahan")` with bfloat16
+  state and the loss scaler, as docs/sixteen_bits.md builds it: 8 bytes a parameter in all."""
+  model = GPT(config)
+  tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
+  tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(adamw())), method="kahan")
+  policy = "params=bfloat16,compute=bfloat16,output=float32"
+  grad = jaxscale.value_and_grad(jaxscale.autocast(_next_token_loss(model), policy))
+
+  def step(params, opt_state, tokens):
+    value, grads, finite = grad(jaxscale.find_scaler(opt_state), params, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params, finite=finite)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+  params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16), params)
+  return step, (params, jax.eval_shape(tx.init, params), tokens)
+
+
+def _next_token_loss(model):
+  def loss(params, tokens):
+    logits = model.apply({"params": params}, tokens)
+    targets = jnp.roll(tokens, -1, axis=-1)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], targets[:, :-1]).mean()
+
+  return loss
 
 
 # ---------------------------------------------------------------- ResNet50

@@ -1,6 +1,6 @@
 """The 16-bit steps' TPU v5e programs, held to what they measure and, strictly expected to fail, to their targets.
 
-Compiled without a TPU by libtpu at jax's version (`benchmarks/sixteen_programs.py --target tpu-v5e`);
+Compiled without a TPU by libtpu at jax's version (`benchmarks/gpu_program.py --target tpu-v5e sixteen`);
 skipped where libtpu is not installed. Bytes are XLA:TPU's own cost analysis ("bytes accessed"),
 which counts more than the H100 reading's operands and outputs: float32 Adam "accesses" 39 bytes
 per parameter where it reads and writes 28, and the Kahan step written by hand in plain JAX
@@ -18,10 +18,10 @@ import os
 import pytest
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-sixteen_programs = pytest.importorskip("sixteen_programs", reason="run from benchmarks/ (nox -s gpu-program)")
+gpu_program = pytest.importorskip("gpu_program", reason="run from benchmarks/ (nox -s gpu-program)")
 
 try:
-  sixteen_programs.tpu_v5e()
+  gpu_program.sharding("tpu-v5e")
 except RuntimeError as e:
   pytest.skip(str(e), allow_module_level=True)
 
@@ -39,7 +39,8 @@ TARGETS = {"kahan + bf16 state": {"hbm": 0.72, "peak": 0.80}, "SR + bf16 state":
 
 @pytest.fixture(scope="module")
 def programs():
-  measured = sixteen_programs.measure_rows("tpu-v5e", LEAVES, ROWS)
+  builders = gpu_program.sixteen_table(32_000_000, LEAVES)
+  measured = gpu_program.measure_table({name: builders[name] for name in ("float32 Adam", *ROWS)}, "tpu-v5e")
   return measured.pop("float32 Adam"), measured
 
 

@@ -173,7 +173,7 @@ def low_precision_state(
     template = jax.eval_shape(inner.init, params) if params is not None else None
     inner_state = _decode(state.inner_state, template)
     updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
-    key, draw = jax.random.split(state.key)
+    key, draw = _rounding.split_key(state.key)
     which = [_is_array(x) for x in jax.tree.leaves(state.inner_state, is_leaf=_is_array)]
     stored = _encode(new_inner, which, draw)
     # A scaler inside `inner` skipped: keep the stored state and the key, bit for bit.

@@ -181,7 +181,7 @@ def master_weights(
           p.astype(jnp.float32), _rounding.round_to(_clip_to(p.dtype, m), p.dtype), p.dtype)[0])
       updates = jax.tree.map(lambda p, m, u: to_master(p, m) if _is_narrow(p) else u, params, master, inner_updates)
       return updates, new_state
-    new_key, draw = (None, None) if state.key is None else jax.random.split(state.key)
+    new_key, draw = (None, None) if state.key is None else _rounding.split_key(state.key)
     comp = state.compensation if method == "kahan" else jax.tree.map(lambda p: optax.MaskedNode(), params)
     leaves, treedef = jax.tree.flatten(params)
     seeds = {} if draw is None else _rounding.leaf_seeds(

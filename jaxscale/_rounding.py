@@ -51,6 +51,16 @@ def raw_key(key, who: str) -> jax.Array:
   return key
 
 
+def split_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A wrapper's raw key split into the next step's key and this step's draw.
+
+  Both are computed whole before anything reads them (an optimization barrier): otherwise XLA
+  fuses the split into the kernel that writes the next key over the donated old one and again
+  into a seed kernel that reads the old key after it, and copies the key first (benchmarks/NOTES.md).
+  """
+  return jax.lax.optimization_barrier(tuple(jax.random.split(key)))
+
+
 def leaf_key(key: jax.Array, stream: int, index: int | jax.Array) -> tuple[jax.Array, jax.Array]:
   """The seeds (two ``uint32`` scalars) of leaf ``index`` of ``stream``, from a wrapper's per-step raw key.
 

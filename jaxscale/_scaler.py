@@ -143,7 +143,7 @@ class ScalerState(NamedTuple):
     packed = {}
     for group, (names, dtype) in _GROUPS.items():
       if fields.keys() & set(names):
-        packed[group] = _pack({n: fields[n] if n in fields else getattr(self, n) for n in names}, names, dtype)
+        packed[group] = _with_slots(getattr(self, group), {names.index(n): fields[n] for n in names if n in fields})
     return self._replace(**packed)
 
   def fields(self) -> dict[str, jax.Array]:
@@ -158,6 +158,15 @@ class ScalerState(NamedTuple):
 def _pack(fields: dict[str, Any], names: tuple[str, ...], dtype: Any) -> jax.Array:
   values = jnp.broadcast_arrays(*(jnp.asarray(fields[n], dtype) for n in names))
   return jnp.stack(values, axis=-1)
+
+
+def _with_slots(packed: jax.Array, values: dict[int, Any]) -> jax.Array:
+  """``packed`` with the slots of ``values`` replaced, elementwise: a kernel that writes the new array
+  over the old one's donated buffer must read the old one elementwise, or XLA copies it first."""
+  slot = jnp.arange(packed.shape[-1])
+  for index, value in values.items():
+    packed = jnp.where(slot == index, jnp.asarray(value, packed.dtype)[..., None], packed)
+  return packed
 
 
 def _shown(x: Any) -> Any:
@@ -777,7 +786,7 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
   # the halvings that would bring it there: where the dynamic default would be by now.
   at_floor = jnp.where(dynamic, state.scale <= floor, jnp.maximum(-hysteresis_left, 0) >= _halvings(state.scale, floor))
 
-  new = state.replace(
+  new = dict(
       scale=jnp.where(grow, grown, jnp.where(back_off, backed_off, state.scale)),
       growth_tracker=jnp.where(grow, 0, tracker),
       hysteresis_tracker=jnp.where(grow, state.hysteresis, hysteresis_left),
@@ -785,7 +794,12 @@ def update(state: ScalerState, finite: jax.typing.ArrayLike) -> ScalerState:
       last_skipped=~finite,
       stalled=state.stalled | (state.raise_on_stall & ~finite & at_floor),
   )
-  return jax.tree.map(lambda n, o: jnp.where(state.enabled[..., None], n, o), new, state)
+  new = {name: jnp.where(state.enabled, value, getattr(state, name)) for name, value in new.items()}
+  # The new fields are computed in kernels of their own (the barrier) and written into the packed
+  # arrays elementwise (`replace`): so no kernel reads an old array's other slots while it writes
+  # the new one over the old one's donated buffer, which made XLA copy all three arrays first
+  # (benchmarks/NOTES.md).
+  return state.replace(**jax.lax.optimization_barrier(new))
 
 
 def _decrement(count: jax.Array) -> jax.Array:
