@@ -1,16 +1,16 @@
-"""The 16-bit steps' TPU v5e programs, held to what they measure and, strictly expected to fail, to their targets.
+"""The 16-bit steps' TPU v5e programs, held to their targets where they meet them, and to what
+they measure where they do not.
 
-Compiled without a TPU by libtpu at jax's version (`benchmarks/gpu_program.py --target tpu-v5e sixteen`);
-skipped where libtpu is not installed. Bytes are XLA:TPU's own cost analysis ("bytes accessed"),
-which counts more than the H100 reading's operands and outputs: float32 Adam "accesses" 39 bytes
-per parameter where it reads and writes 28, and the Kahan step written by hand in plain JAX
-(`gpu_program.hand_written_kahan`, 20 bytes read and written) 38.5, 0.99x float32 Adam's.
+Compiled without a TPU by libtpu at jax's version (`benchmarks/gpu_program.py --target tpu-v5e
+sixteen --leaves 48`); skipped where libtpu is not installed. Bytes are HBM bytes, read from where
+XLA:TPU places each buffer (`gpu_program.tpu_hbm_bytes`), not XLA's "bytes accessed", which counts
+the traffic in VMEM too (float32 Adam: 39 bytes a parameter accessed, 28 in HBM). 48 leaves, a real
+model's count: at 8, the seeds' scalar kernels add a quarter of a byte a parameter.
 
-The 16-bit rows do not meet their targets on the TPU (benchmarks/NOTES.md): XLA:TPU moves each of
-their 16-bit operands through four asynchronous slices and a `ConcatBitcast` and copies the donated
-moments, where the hand-written step is one fusion per leaf. The first test holds them to what
-they measure now (a regression fails it); the second states the targets and is expected to fail
-until that is fixed.
+Met: every 16-bit row's bytes (the scaler adds one read of the gradients), Kahan's peak, and no
+copy beyond float32 Adam's. Not met (benchmarks/NOTES.md): stochastic rounding's peak (0.671x
+against 0.66) and the float32 master's bytes and peak (its master is written, then read again for
+the parameters: 1.429x against 1.22).
 """
 
 import os
@@ -25,16 +25,22 @@ try:
 except RuntimeError as e:
   pytest.skip(str(e), allow_module_level=True)
 
-LEAVES = 8
-ROWS = ["kahan + bf16 state", "SR + bf16 state", "hand-written Kahan, bf16 state (plain JAX)"]
-# As measured at 8 leaves (jax 0.12.0.1, libtpu 0.0.50.1), plus about 3%: ratios to float32 Adam's.
-MEASURED = {
-    "kahan + bf16 state": {"hbm": 2.64, "peak": 0.89},
-    "SR + bf16 state": {"hbm": 1.69, "peak": 0.66},
-    "hand-written Kahan, bf16 state (plain JAX)": {"hbm": 1.02, "peak": 0.76},
+LEAVES = 48
+# The issue's targets, the H100's: bytes and peak (the scaler: one more read of the gradients).
+TARGETS = {
+    "kahan + bf16 state": {"hbm": 0.72, "peak": 0.80},
+    "SR + bf16 state": {"hbm": 0.60},
+    "kahan + bf16 state + scaler": {"hbm": 0.87, "peak": 0.80},
+    "SR + bf16 state + scaler": {"hbm": 0.75},
+    "hand-written Kahan, bf16 state (plain JAX)": {"hbm": 0.72, "peak": 0.76},
 }
-# The issue's targets, the H100's: bytes and peak, and no copy beyond float32 Adam's.
-TARGETS = {"kahan + bf16 state": {"hbm": 0.72, "peak": 0.80}, "SR + bf16 state": {"hbm": 0.60, "peak": 0.66}}
+# Not met: as measured at 48 leaves (jax 0.12.0.1, libtpu 0.0.50.1), plus about 2%.
+MEASURED = {
+    "SR + bf16 state": {"peak": 0.685},
+    "SR + bf16 state + scaler": {"peak": 0.687},
+    "float32 master + scaler, bf16 params": {"hbm": 1.46, "peak": 1.18},
+}
+ROWS = sorted(TARGETS.keys() | MEASURED.keys())
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +60,13 @@ def failures(base, programs, budgets, copies=False):
   return out
 
 
-def test_sixteen_bit_steps_on_the_tpu_stay_where_they_measure(programs):
-  base, measured = programs
-  found = failures(base, measured, MEASURED)
-  assert not found, f"{'; '.join(found)} (programs {measured}, float32 Adam {base})"
-
-
-@pytest.mark.xfail(strict=True, reason="XLA:TPU slices and copies the 16-bit operands (benchmarks/NOTES.md)")
 def test_sixteen_bit_steps_on_the_tpu_meet_their_targets(programs):
   base, measured = programs
   found = failures(base, measured, TARGETS, copies=True)
+  assert not found, f"{'; '.join(found)} (programs {measured}, float32 Adam {base})"
+
+
+def test_what_misses_its_target_on_the_tpu_stays_where_it_measures(programs):
+  base, measured = programs
+  found = failures(base, measured, MEASURED, copies=True)
   assert not found, f"{'; '.join(found)} (programs {measured}, float32 Adam {base})"
