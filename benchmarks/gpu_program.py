@@ -768,6 +768,14 @@ def write_docs(text, path, target="h100"):
     f.write(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
 
 
+def _leaf_count(text: str) -> int:
+  """A leaf count from the command line: a whole number from 1 to the table's 32M parameters."""
+  n = int(text)
+  if not 1 <= n <= 32_000_000:
+    raise argparse.ArgumentTypeError(f"a leaf count is a whole number from 1 to 32000000, not {n}")
+  return n
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("tables", nargs="*", metavar="TABLE",
@@ -775,13 +783,16 @@ def main(argv=None):
   parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
   parser.add_argument("--write-docs", action="store_true", help="write the tables into docs/performance.md")
   parser.add_argument("--target", choices=TARGETS, default="h100", help="the chip to compile for (default: h100)")
-  parser.add_argument("--leaves", type=int, nargs="+", default=list(SIXTEEN_LEAVES), metavar="N",
+  parser.add_argument("--leaves", type=_leaf_count, nargs="+", default=None, metavar="N",
                       help="the sixteen table's leaf counts, of 32M parameters in all (default: "
                            f"{' '.join(map(str, SIXTEEN_LEAVES))}; 1000 compiles for minutes)")
   args = parser.parse_args(argv)
   chosen = args.tables or DEFAULT_TABLES
   if unknown := [t for t in chosen if t not in TABLES]:
     parser.error(f"unknown table {', '.join(unknown)}: choose among {', '.join(TABLES)}")
+  if args.leaves is not None and "sixteen" not in chosen:
+    parser.error("--leaves sets the sixteen table's leaf counts: name it (`gpu_program.py sixteen --leaves N`)")
+  args.leaves = args.leaves or list(SIXTEEN_LEAVES)
   try:
     sharding(args.target)  # before any work: say what is missing at once
   except RuntimeError as e:
