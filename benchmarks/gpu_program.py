@@ -92,6 +92,7 @@ if "triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 
@@ -486,6 +487,8 @@ def sixteen_table(n_params=32_000_000, n_leaves=8):
       "float32 master + scaler, bf16 params": row(jaxscale.master_weights(scaled(adam())), params16, True),
       "hand-written Kahan, bf16 state (plain JAX)": lambda: (hand_written_kahan, (params16, (
           jnp.zeros((), jnp.int32), params16, params16, params16), params32), (0, 1)),
+      "hand-written, jaxscale's numerics (plain JAX)": lambda: (hand_written_numerics, (params16, (
+          jnp.zeros((), jnp.int32), jnp.zeros(2, jnp.uint32), params16, params16, params16), params32), (0, 1)),
   }
 
 
@@ -505,6 +508,68 @@ def hand_written_kahan(params, state, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8
     out.append((new, (x - new.astype(jnp.float32)).astype(c.dtype), m.astype(jnp.bfloat16), v.astype(jnp.bfloat16)))
   new_params, comp, mu, nu = ([o[i] for o in out] for i in range(4))
   return new_params, (count, comp, mu, nu)
+
+
+def hand_written_numerics(params, state, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
+  """`hand_written_kahan` with the numerics of jaxscale's Kahan + bfloat16 state step, in plain JAX: the
+  floor of its compile time. Each moment rounded stochastically (one hash per element, its two 16-bit
+  halves, carried into bfloat16's bits), the compensation stored in units of the parameter's spacing,
+  and the update landing exactly: the difference rounded once, moved one spacing towards zero where it
+  would land on inf or on a zero whose remainder saturates the compensation, -0.0 where nothing moves.
+  No optimizer plumbing: no skip, no tree of wrappers, one key split per step."""
+  count, key, comp, mu, nu = state
+  count = count + 1
+  c1, c2 = 1 - b1 ** count.astype(jnp.float32), 1 - b2 ** count.astype(jnp.float32)
+  key, draw = jax.random.split(key)
+  big = jnp.float32(jnp.finfo(jnp.bfloat16).max)
+  saturates = jnp.float32(float(jnp.finfo(jnp.bfloat16).max) * 2.0**-126)
+
+  def hash32(x):  # Wellons' lowbias32, as jaxscale's rounding draws its bits
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+  def as_bits(x, dtype=jnp.uint32):
+    return lax.bitcast_convert_type(x, dtype)
+
+  def ulp_at(x):  # bfloat16's spacing at |x|, from the exponent bits, at least float32's smallest normal
+    exponent = (as_bits(x, jnp.int32) & 0x7F800000) - (7 << 23)
+    return as_bits(jnp.maximum(exponent, 1 << 23), jnp.float32)
+
+  def nearest(x):
+    return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+
+  def stochastic(x, bits):  # 16 random bits added below bfloat16's and cleared: unbiased
+    carried = as_bits(jnp.clip(x, -big, big)) + bits
+    return jnp.where(jnp.isfinite(x), as_bits(carried & jnp.uint32(0xFFFF0000), jnp.float32), x)
+
+  # Each leaf's two seeds computed before its kernel, as scalars: fused into the kernels instead, they
+  # make XLA merge many leaves' rounding into one kernel that reads the state twice (1.13x the bytes).
+  index = jnp.arange(len(params), dtype=jnp.uint32)
+  mixed = lax.optimization_barrier((hash32(draw[0] ^ index), draw[1] + index))
+  seeds = lax.optimization_barrier([(hash32(mixed[0][i]), hash32(mixed[1][i])) for i in range(len(params))])
+  out = []
+  for i, (p, c, m, v, g) in enumerate(zip(params, comp, mu, nu, grads)):
+    m = b1 * m.astype(jnp.float32) + (1 - b1) * g
+    v = b2 * v.astype(jnp.float32) + (1 - b2) * g * g
+    u = -lr * (m / c1) / (jnp.sqrt(v / c2) + eps)
+    start = p.astype(jnp.float32)
+    step = u + c.astype(jnp.float32) * ulp_at(start)
+    exact = jnp.clip(start + step, -big, big)
+    wanted = nearest(exact)
+    difference = nearest(jnp.clip(wanted - start, -big, big))
+    landed = nearest(start + difference)
+    closer = jnp.isinf(landed) | ((landed == 0) & (jnp.abs(exact) > saturates))
+    toward_zero = as_bits(as_bits(difference) - jnp.uint32(1 << 16), jnp.float32)
+    difference = jnp.where(closer, toward_zero, difference)
+    landed = nearest(start + difference)
+    difference = jnp.where(wanted == start, jnp.float32(-0.0), difference)
+    remainder = jnp.clip((step - (landed - start)) / ulp_at(landed), -big, big)
+    bits = hash32(lax.iota(jnp.uint32, p.size).reshape(p.shape) ^ seeds[i][0]) + seeds[i][1]
+    out.append(((p + difference.astype(p.dtype)), remainder.astype(c.dtype),
+                stochastic(m, bits >> 16).astype(jnp.bfloat16), stochastic(v, bits & 0xFFFF).astype(jnp.bfloat16)))
+  new_params, comp, mu, nu = ([o[i] for o in out] for i in range(4))
+  return new_params, (count, key, comp, mu, nu)
 
 
 # The leaf counts of the sixteen tables: the benchmark's 8, and the leaf counts of real models (a

@@ -6,6 +6,8 @@ step's program of the same table. A change that adds a kernel per leaf, a pass o
 a copy of the optimizer state fails here on any machine, with the numbers in the message.
 """
 
+import os
+
 import pytest
 
 import jaxscale
@@ -102,10 +104,16 @@ SIXTEEN = {
 }
 
 
-@pytest.mark.parametrize("leaves", [8, 48, 150])
+# 150 leaves compiles for two and a half minutes on a 2-core machine: CI holds 8 and 48, and
+# JAXSCALE_SIXTEEN_LEAVES=150 (or `gpu_program.py sixteen --leaves 150 1000`) measures more.
+MORE_LEAVES = [int(n) for n in os.environ.get("JAXSCALE_SIXTEEN_LEAVES", "").split(",") if n]
+
+
+@pytest.mark.parametrize("leaves", [8, 48, *MORE_LEAVES])
 def test_sixteen_bit_steps_move_the_bytes_their_dtypes_imply_at_any_number_of_leaves(leaves):
-  title = f"Adam step, 32M params / {leaves} leaves"
-  programs = measured("sixteen", title, ["optax.adam(mu_dtype=bfloat16)", *SIXTEEN])
+  builders = gpu_program.sixteen_table(n_leaves=leaves)
+  rows = ("float32 Adam", "optax.adam(mu_dtype=bfloat16)", *SIXTEEN)
+  programs = gpu_program.measure_table({name: builders[name] for name in rows})
   plain, optax_bf16 = programs.pop("float32 Adam"), programs.pop("optax.adam(mu_dtype=bfloat16)")
   for name, budget in SIXTEEN.items():
     kernels = int(0.2 * plain.kernels) + 10 + (SCALER_KERNELS if "scaler" in name else 0)
