@@ -298,34 +298,48 @@ def collective_bytes(instruction: re.Match, shapes: dict[str, str]) -> dict[str,
   return out
 
 
+def launched(comps: dict[str, list[re.Match]], name: str = "ENTRY", times: int = 1):
+  """`(instruction, times)` for each instruction a computation runs, a `while` loop's body and condition
+  as many times as XLA knows the loop runs (its `known_trip_count`; once where it does not know)."""
+  for m in comps[name]:
+    if m["op"] != "while":
+      yield m, times
+      continue
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', m["attributes"])
+    n = times * (int(trips[1]) if trips else 1)
+    for part in ("condition", "body"):
+      yield from launched(comps, re.search(part + r"=%?([\w.\-]+)", m["attributes"])[1], n)
+
+
 def read_program(compiled) -> Program:
-  """The kernels, bytes, copies, GEMMs and peak of a compiled GPU executable."""
+  """The kernels, bytes, copies, GEMMs and peak of a compiled GPU executable (a loop's kernels as often as
+  they run: `launched`)."""
   comps = computations(compiled.as_text())
   shapes, kernels, moved, copies, fp8, gemms, estimate = {}, 0, 0, 0, 0, 0, 0.0
   wire: dict[tuple[str, str], int] = {}
-  for m in comps["ENTRY"]:
+  for m, times in launched(comps):
     shapes[m["name"]] = m["shape"]
     if _COLLECTIVE.match(m["op"]):
       for dtype, nbytes in collective_bytes(m, shapes).items():
         key = (_COLLECTIVE.match(m["op"])[1], dtype)
-        wire[key] = wire.get(key, 0) + nbytes
+        wire[key] = wire.get(key, 0) + nbytes * times
     if m["op"] in NO_KERNEL:
       continue
-    kernels += 1
+    kernels += times
     nbytes = array_bytes(m["shape"]) + sum(array_bytes(shapes.get(o, "")) for o in operand_names(m))
-    moved += nbytes
-    copies += m["op"] == "copy"
+    moved += nbytes * times
+    copies += (m["op"] == "copy") * times
     flops, dtype = gemm_flops(m, shapes) if m["op"] == "custom-call" else (0.0, "")
     called = re.search(r"calls=%([\w.\-]+)", m["attributes"])
     if m["op"] == "fusion" and re.search(r'"kind":"__triton\w*gemm', m["attributes"]) and called:
       # A Triton GEMM (XLA's choice with --xla_gpu_enable_triton_gemm): float8 if fed float8.
       operand_dtypes = [shapes.get(o, "").split("[")[0] for o in operand_names(m)]
       flops, dtype = dot_flops(comps.get(called[1], [])), next((d for d in operand_dtypes if d in BYTES), "f32")
-      fp8 += dtype.startswith("f8")
+      fp8 += dtype.startswith("f8") * times
     elif "$f8" in m["attributes"]:
-      fp8, dtype = fp8 + 1, "f8e4m3fn"
-    gemms += flops > 0
-    estimate += max(nbytes / HBM_BYTES_PER_S, flops / TENSOR_FLOPS.get(dtype, TENSOR_FLOPS["f32"])) + LAUNCH_S
+      fp8, dtype = fp8 + times, "f8e4m3fn"
+    gemms += (flops > 0) * times
+    estimate += (max(nbytes / HBM_BYTES_PER_S, flops / TENSOR_FLOPS.get(dtype, TENSOR_FLOPS["f32"])) + LAUNCH_S) * times
   collectives = tuple((op, dtype, n) for (op, dtype), n in sorted(wire.items()))
   return Program(kernels, moved, copies, fp8, gemms, peak_bytes(compiled), estimate, collectives=collectives)
 
@@ -681,6 +695,21 @@ def model_tables():
           functools.partial(models.gpt_step, config=wide)),
       "ResNet50 step (224x224, batch 64), AdamW": model_table(models.resnet_step, donate=(0, 1, 2)),
   }
+
+
+def accumulation_table(microbatches=4):
+  """The d 4096 Transformer's step over microbatches (a `lax.scan` of gradients, then AdamW): float8 with
+  each weight quantized once a microbatch, and once a step (`autocast(..., weights=params)`)."""
+  import models
+
+  wide = models.GPTConfig(layers=2, width=4096, mlp=16384, heads=32, seq=2048, batch=4)
+  step = functools.partial(models.gpt_accumulation_step, config=wide, microbatches=microbatches)
+  row = lambda policy, once=False: lambda: (*step(policy, once=once), (0, 1))
+  return {f"Transformer step, 2 x d 4096, {microbatches} microbatches of 1 x 2048, AdamW": {
+      "mixed_bfloat16": row("mixed_bfloat16"),
+      "mixed_float8": row("mixed_float8"),
+      "mixed_float8, weights quantized once a step": row("mixed_float8", once=True),
+  }}
 def reduce_table(layout, width=4096, tokens_per_gpu=1024, n=8):
   """An MLP's gradient (d `width`, 4x hidden, GELU) on `n` H100s under each policy's `reduce_dtype`.
 
@@ -715,6 +744,8 @@ TABLES = {
     "sixteen": sixteen_tables,  # its leaf counts: `--leaves`
     # Not in the default run: its 16-bit step compiles for about a minute.
     "sixteen-gpt": sixteen_gpt_table,
+    # Not in the default run: three steps of the d 4096 Transformer over microbatches, about a minute.
+    "accumulation": accumulation_table,
     "float8": lambda: {"transformer block fwd+bwd, d 4096, seq 2048, batch 4": float8_table(),
                        "transformer block fwd+bwd, d 1024, seq 1024, batch 4": float8_table(1024, 1024),
                        "conv net fwd+bwd, 4 x 3x3x128, 32x32, batch 64": conv_table()},

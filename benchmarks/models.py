@@ -94,6 +94,30 @@ def gpt_step(policy, config: GPTConfig = GPTConfig(), tx=None):
   return step, (params, jax.eval_shape(tx.init, params), tokens)
 
 
+def gpt_accumulation_step(policy, config: GPTConfig = GPTConfig(), microbatches: int = 4, once: bool = False):
+  """`gpt_step` over `microbatches` microbatches of `config.batch // microbatches` sequences, their gradients
+  summed by a `lax.scan` before one AdamW update; with `once`, the autocast function is built in the step
+  with `weights=params`, so each weight is quantized once a step instead of once a microbatch."""
+  model, tx = GPT(config), adamw()
+  tokens = jax.ShapeDtypeStruct((microbatches, config.batch // microbatches, config.seq), jnp.int32)
+  loss = _next_token_loss(model)
+
+  def step(params, opt_state, tokens):
+    cast_loss = jaxscale.autocast(loss, policy, weights=params if once else None)
+
+    def microbatch(total, tokens):
+      value, grads = jax.value_and_grad(cast_loss)(params, tokens)
+      return jax.tree.map(jnp.add, total, (value, grads)), None
+
+    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    (value, grads), _ = jax.lax.scan(microbatch, zeros, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value / microbatches
+
+  params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t[0])["params"], tokens)
+  return step, (params, jax.eval_shape(tx.init, params), tokens)
+
+
 def gpt_sixteen_step(config: GPTConfig = GPTConfig()):
   """`gpt_step` with bfloat16 parameters and AdamW in `master_weights(..., method="kahan")` with bfloat16
   state and the loss scaler, as docs/sixteen_bits.md builds it: 8 bytes a parameter in all."""

@@ -33,6 +33,7 @@ import functools
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -83,7 +84,7 @@ _CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 MARKER = "jaxscale_autocast"  # the name of the `jit` around a nested region
 
 
-def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F:
+def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weights: Any = None) -> F:
   """``fun`` with each operation's precision chosen per operation, as under ``torch.autocast``.
 
   Every ``dot_general`` and ``conv_general_dilated`` in ``fun`` (inside ``jit``, ``scan``,
@@ -105,6 +106,13 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
     policy: a :class:`Policy`, or a string for :func:`get_policy`.
     enabled: False returns ``fun`` itself (one script, any precision). To keep a region
       out of an enclosing autocast, wrap it in ``autocast(g, "float32")``.
+    weights: under a float8 policy, ``fun``'s first argument (the parameters) as the jitted
+      step has them, before its loop over microbatches: each matrix among them is quantized
+      here, once (its absolute maximum and its float8 cast), and every float8 matmul of
+      ``fun`` that reads that leaf of its first argument reads this float8 copy, forward and
+      backward, however many times the returned function is called. The values are those
+      of quantizing at each call, bit for bit. Quantized from what is passed here: build the
+      function in each step, from the step's parameters (docs/float8.md).
 
   Returns:
     The wrapped function.
@@ -112,7 +120,10 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
   Raises:
     TypeError: if ``enabled`` is not a bool, or ``policy`` is neither a :class:`Policy` nor
       a string.
-    ValueError: if the policy string is not understood.
+    ValueError: if the policy string is not understood; if ``weights`` is given under a
+      policy without float8 matmuls, or outside a traced step (concrete arrays, which would
+      be quantized once and read as the parameters change); when called, if ``weights``'
+      structure, shapes or dtypes are not those of the first argument.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxscale
@@ -135,13 +146,14 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
   policy = _policy.get_policy(policy)
   if not enabled:
     return fun
+  given = _quantized_weights(weights, policy) if weights is not None else None
 
   # An NNX module called as `fun`, or whose method `fun` is, holds the parameters itself: as a
   # pytree (`Partial` for a method) its arrays are traced like the arguments'.
   callee = jax.tree_util.Partial(fun.__func__, fun.__self__) if inspect.ismethod(fun) else fun
 
-  def region(static, arrays):
-    treedef, statics = static
+  def region(static, arrays, given_values):
+    treedef, statics, given_at = static
     dynamic_at = [i for i, leaf in enumerate(statics) if leaf is _DYNAMIC]
     leaves = [None if leaf is _DYNAMIC else leaf.value for leaf in statics]
     for i, x in zip(dynamic_at, arrays):
@@ -170,13 +182,18 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
 
     closed = jax.make_jaxpr(traced)(*arrays)
     token, met = _INPUTS.set(arrays), _FLOAT8_MATMULS.set([])
+    # The given float8 copies, by the argument they stand for (its value in this program), and which were read.
+    read_given = _GIVEN.set(([arrays[i] for i in given_at], list(given_values), set()))
     try:
       outs = evaluate(closed.jaxpr, closed.consts, arrays, policy)
       if policy.matmul_dtype is not None:  # once per trace of this function, not per call
         _float8.warn_no_float8(_FLOAT8_MATMULS.get(), policy, _describe(fun))
+        if given_at and not _GIVEN.get()[2]:
+          _warn_weights_unread(_describe(fun))
     finally:
       _INPUTS.reset(token)
       _FLOAT8_MATMULS.reset(met)
+      _GIVEN.reset(read_given)
     split = len(outs) - len(found["written"])
     out = jax.tree.unflatten(found["out_tree"], outs[:split])
     return policy.cast_to_output(out), dict(zip(found["written"], outs[split:]))
@@ -195,7 +212,8 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True) -> F
     statics = tuple(_DYNAMIC if is_array(leaf) else _Static(leaf) for leaf in leaves)
     arrays = [leaf for leaf in leaves if is_array(leaf)]
     _float8.warn_float8_arguments(arrays)
-    out, written = jitted((treedef, statics), arrays)
+    given_at, given_values = _given_at(given, args, callee, statics) if given is not None else ((), [])
+    out, written = jitted((treedef, statics, given_at), arrays, given_values)
     variables = _nnx_variables(tree)
     for i, value in written.items():
       variable = variables[i]
@@ -241,6 +259,9 @@ class _Static:
 # matmul writes the gradient of one of them (a parameter) in its own dtype, an activation's in the
 # compute dtype.
 _INPUTS: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxscale_autocast_inputs", default=())
+# The float8 copies of `autocast`'s `weights` while the function is evaluated: the arguments they
+# stand for, their `(q, k)`, and the indices of those a matmul read.
+_GIVEN: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxscale_autocast_given", default=((), [], set()))
 # The matmuls a float8 policy meets while the autocast function is traced, for the warning that none
 # of them runs in float8.
 _FLOAT8_MATMULS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxscale_float8_matmuls", default=None)
@@ -288,12 +309,82 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
     if (met := _FLOAT8_MATMULS.get()) is not None:
       met.append((eqn.primitive, eqn.params, lhs.shape, rhs.shape))
     reduce = policy.reduce_dtype if partitioned else None  # None: each gradient in its operand's dtype
-    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, policy.min_intensity, reduce)]
+    given = [_given(x) for x in ins]
+    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, policy.min_intensity, reduce, given)]
   params = dict(eqn.params, preferred_element_type=compute)
   written = [policy.reduce_dtype if given and _dtype(x) != compute else compute for x, given in zip(ins, inputs)]
   if all(dtype == compute for dtype in written) or not partitioned:
     return _interpret.bind(eqn, [_to(x, compute) for x in ins], params)
   return [_weight_gradient(eqn, params, compute, written, [_dtype(x) for x in ins])(*ins)]
+
+
+def _given(x):
+  """The float8 ``(q, k)`` that `autocast`'s ``weights`` gave for the argument ``x`` is, or None."""
+  stands_for, values, read = _GIVEN.get()
+  for i, argument in enumerate(stands_for):
+    if x is argument:
+      read.add(i)
+      return values[i]
+  return None
+
+
+def _quantized_weights(weights, policy: _policy.Policy):
+  """`autocast`'s ``weights``: ``(treedef, [(q, k) or None for each leaf])``, each matrix quantized once."""
+  if policy.matmul_dtype is None:
+    raise ValueError(
+        f"`autocast`'s `weights=` quantizes the weights once for a float8 policy's matmuls; the policy "
+        f"'{policy}' has none: leave `weights` out."
+    )
+  leaves, treedef = jax.tree.flatten(weights)
+  floating = [x for x in leaves if _policy.is_floating_array(x)]
+  if floating and not any(isinstance(x, jax.core.Tracer) for x in floating):
+    raise ValueError(
+        "`autocast`'s `weights=` got concrete arrays: they would be quantized once, here, and their float8 "
+        "copies read at every later call as the parameters change. Build the function inside the jitted "
+        "step, from the step's parameters: `jaxscale.autocast(loss, policy, weights=params)`, then call it "
+        "in the loop over microbatches."
+    )
+  matrix = lambda x: _policy.is_floating_array(x) and x.ndim >= 2 and jnp.dtype(x.dtype).itemsize > 1
+  return treedef, [(x.shape, x.dtype, _float8.quantize(x, _float8.FORWARD) if matrix(x) else None) for x in leaves]
+
+
+def _given_at(given, args, callee, statics) -> tuple[tuple, list]:
+  """The indices, among the autocast function's array arguments, of the matrices of its first argument
+  that ``given`` (`_quantized_weights`) quantized, and their ``(q, k)``."""
+  treedef, quantized = given
+  first = args[0] if args else None
+  leaves, first_treedef = jax.tree.flatten(first)
+  if not args or first_treedef != treedef:
+    raise ValueError(
+        "`autocast`'s `weights=` must have the structure of the function's first argument (the parameters "
+        f"it is called with); the weights are {treedef}, the first argument "
+        f"{first_treedef if args else 'missing'}."
+    )
+  for (path, leaf), (shape, dtype, qk) in zip(jax.tree_util.tree_leaves_with_path(first), quantized):
+    if qk is not None and (jnp.shape(leaf) != shape or jnp.result_type(leaf) != dtype):
+      raise ValueError(
+          f"`autocast`'s `weights=` has {jnp.dtype(dtype).name}{list(shape)} where the first argument has "
+          f"{jnp.result_type(leaf).name}{list(jnp.shape(leaf))} at {jax.tree_util.keystr(path)}: pass the "
+          "parameters the function is called with."
+      )
+  offset = len(jax.tree.leaves(callee))  # the callee's arrays come first in the flattened arguments
+  array_index = {leaf: n for n, leaf in enumerate(i for i, s in enumerate(statics) if s is _DYNAMIC)}
+  at, values = [], []
+  for i, (_, _, qk) in enumerate(quantized):
+    if qk is not None and offset + i in array_index:
+      at.append(array_index[offset + i])
+      values.append(qk)
+  return tuple(at), values
+
+
+def _warn_weights_unread(name: str) -> None:
+  warnings.warn(
+      f"`jaxscale.autocast` of {name} was given `weights=`, and none of its float8 matmuls read one of them "
+      "as it was passed in the first argument: each was quantized for nothing. Pass the parameters the "
+      "function is called with, unchanged (not a copy cast or reshaped before the call), or leave "
+      "`weights` out.",
+      stacklevel=3,
+  )
 
 
 def _partitioned(x) -> bool:

@@ -233,6 +233,7 @@ def matmul(
     primitive: Any, params: dict, lhs: jax.Array, rhs: jax.Array, compute_dtype: Any, inputs=(True, True),
     min_intensity: float | None = None,
     reduce_dtype: Any = None,
+    given=(None, None),
 ) -> jax.Array:
   """``primitive`` (``dot_general`` or ``conv_general_dilated``) of ``lhs`` and ``rhs``, as a scaled float8 matmul.
 
@@ -244,7 +245,8 @@ def matmul(
   16-bit policy), then cast to its dtype where its consumer reads it. A matmul that
   `wider_reason` keeps wider runs in ``compute_dtype`` inside a ``jit`` named after the reason,
   so that `precision_report` can say why.
-  ``min_intensity``: the policy's (see `wider_reason`).
+  ``min_intensity``: the policy's (see `wider_reason`). ``given``: for each operand, its `quantize`
+  ``(q, k)`` computed before (`autocast`'s ``weights``), or None: quantized here.
   """
   reason = wider_reason(primitive, params, lhs.shape, rhs.shape, min_intensity)
   wide = lambda reason: lambda lhs, rhs: _marked(
@@ -254,7 +256,8 @@ def matmul(
     return wide(reason)(lhs, rhs)
   scaled = _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype, inputs, reduce_dtype)
   # Chosen where the program is lowered (the machine that traces may not be the one that runs it).
-  return lax.platform_dependent(lhs, rhs, tpu=wide("tpu"), default=scaled)
+  return lax.platform_dependent(
+      lhs, rhs, tuple(given), tpu=lambda lhs, rhs, _: wide("tpu")(lhs, rhs), default=scaled)
 
 
 def warn_float8_arguments(arrays) -> None:
@@ -339,9 +342,11 @@ def _marked(fun, reason: str):
 
 
 def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True, True), reduce_dtype=None):
-  """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``, ``reduce_dtype``: `matmul`)."""
-  return lambda lhs, rhs: _scaled_for(
-      primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, reduce_dtype, (lhs.shape, rhs.shape))(lhs, rhs)
+  """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``, ``reduce_dtype``: `matmul`);
+  it takes ``given`` too, each operand's ``(q, k)`` or None (`matmul`)."""
+  return lambda lhs, rhs, given=(None, None): _scaled_for(
+      primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, reduce_dtype, (lhs.shape, rhs.shape)
+  )(lhs, rhs, tuple(given))
 
 
 def _scaled_for(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, reduce_dtype, shapes):
@@ -360,18 +365,25 @@ def _scaled_for(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, 
     (db,) = jax.linear_transpose(lambda b: product(a, b, jnp.bfloat16), b)(g)
     return da, db
 
-  def forward(lhs, rhs):
+  def operand(x, pads, given):
+    """The operand's float8 values and scale, padded: quantized here, or as `quantize` gave them before
+    (the same values: the zeros of the padding change no absolute maximum)."""
+    if given is None:
+      return quantize(_pad(x, pads), FORWARD)
+    q, k = given
+    return _pad(q, pads), k
+
+  def forward(lhs, rhs, given):
+    pads = _gemm_padding(params, lhs.shape, rhs.shape) if primitive.name == "dot_general" else ((0,) * lhs.ndim,) * 3
+    (qa, ka), (qb, kb) = operand(lhs, pads[0], given[0]), operand(rhs, pads[1], given[1])
     if primitive.name == "dot_general":
-      pads = _gemm_padding(params, lhs.shape, rhs.shape)
-      (qa, ka), (qb, kb) = quantize(_pad(lhs, pads[0]), FORWARD), quantize(_pad(rhs, pads[1]), FORWARD)
       y = _unpad(_unscaled_product(product, (qa, qb), (ka, kb), compute_dtype), pads[2])
     else:
-      (qa, ka), (qb, kb) = quantize(lhs, FORWARD), quantize(rhs, FORWARD)
       y = _unscaled(lambda dtype: product(qa, qb, dtype), ka + kb, compute_dtype)
-    return y, (qa, ka, qb, kb)
+    return y, (qa, ka, qb, kb, given)
 
   def backward(residuals, g):
-    qa, ka, qb, kb = residuals
+    qa, ka, qb, kb, given = residuals
     if primitive.name == "dot_general":
       lhs_pads, rhs_pads, out_pads = _gemm_padding(params, lhs_shape, rhs_shape)
       qg, kg = quantize(_pad(g, out_pads), BACKWARD)
@@ -381,11 +393,17 @@ def _scaled_for(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, 
       qg, kg = quantize(g, BACKWARD)
       da, db = _marked(conv_cotangents, "conv_backward")(qg, qa, qb)
       da, db = _unscaled(da.astype, kg + kb, written[0]), _unscaled(db.astype, kg + ka, written[1])
-    return da.astype(lhs_dtype), db.astype(rhs_dtype)
+    return da.astype(lhs_dtype), db.astype(rhs_dtype), jax.tree.map(_no_cotangent, given)
 
-  scaled = jax.custom_vjp(lambda lhs, rhs: forward(lhs, rhs)[0])
+  scaled = jax.custom_vjp(lambda lhs, rhs, given: forward(lhs, rhs, given)[0])
   scaled.defvjp(forward, _first_order_only(backward))
   return scaled
+
+
+def _no_cotangent(x: jax.Array):
+  """The zero cotangent of a precomputed float8 operand or its scale: they are not differentiated (the
+  weight they were computed from is, through the product)."""
+  return jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.inexact) else np.zeros(x.shape, jax.dtypes.float0)
 
 
 def _gemm_padding(params, lhs_shape, rhs_shape) -> tuple[tuple, tuple, tuple]:

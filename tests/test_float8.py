@@ -4,6 +4,7 @@ errors against float64 within a bound derived from the formats; scale invariance
 
 import contextlib
 import math
+import re
 import warnings
 
 import jax
@@ -1019,3 +1020,141 @@ def test_an_activations_gradient_is_written_in_the_compute_dtype_a_parameters_in
   assert da.dtype == dw.dtype == F32
   np.testing.assert_array_equal(da, np.asarray(da).astype(ml_dtypes.bfloat16).astype(F32))  # one bfloat16 rounding
   assert (np.asarray(dw) != np.asarray(dw).astype(ml_dtypes.bfloat16).astype(F32)).mean() > 0.5  # float32's
+
+
+# --- each weight quantized once a step: `autocast(..., weights=params)` ----------------------------
+
+
+def _mlp_loss(p, x):
+  """A weight on each side of its products: ``w0 @ x.T`` (an Equinox `Linear`'s way), ``h @ w1``."""
+  h = jax.nn.gelu((p["w0"] @ x.T).T + p["b"])
+  return jnp.mean((h @ p["w1"]) ** 2)
+
+
+def _flax_loss():
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(48)(nn.gelu(nn.Dense(128)(x)))
+
+  net = Net()
+  params = net.init(jax.random.key(0), jnp.zeros((1, 64)))["params"]
+  return (lambda p, x: jnp.mean(net.apply({"params": p}, x) ** 2)), params
+
+
+def _accumulated(loss, once):
+  """Gradients summed over microbatches by a `lax.scan`, the autocast function built in the step."""
+
+  @jax.jit
+  def step(params, microbatches):
+    cast = jaxscale.autocast(loss, "mixed_float8", weights=params if once else None)
+
+    def microbatch(total, x):
+      return jax.tree.map(jnp.add, total, jax.grad(cast)(params, x)), None
+
+    return jax.lax.scan(microbatch, jax.tree.map(jnp.zeros_like, params), microbatches)[0]
+
+  return step
+
+
+def _models():
+  params = {"w0": jnp.asarray(normal((128, 64), seed=5)), "w1": jnp.asarray(normal((128, 48), seed=6, scale=0.1)),
+            "b": jnp.zeros(128)}
+  flax_loss, flax_params = _flax_loss()
+  return {"plain": (_mlp_loss, params), "flax": (flax_loss, flax_params)}
+
+
+@pytest.mark.parametrize("model", ["plain", "flax"])
+def test_weights_quantized_once_a_step_give_each_microbatchs_gradients_bit_for_bit(model):
+  """The float8 copies made once are the values each microbatch's quantization makes (the same amax, the
+  same cast): the summed gradients are equal bit for bit to those of quantizing at every microbatch, which
+  the tests above hold to float64 within the formats' bound."""
+  loss, params = _models()[model]
+  microbatches = jnp.asarray(normal((3, 32, 64), seed=7, scale=3.0))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no warning that the given weights went unread
+    once = _accumulated(loss, once=True)(params, microbatches)
+  each = _accumulated(loss, once=False)(params, microbatches)
+  for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(each)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(once))
+
+
+def _float8_arrays_by_place(text: str, shapes) -> tuple[int, int]:
+  """How many casts (``convert``) of an HLO module write a float8 array of one of ``shapes`` inside its
+  `while` loops (their bodies and what they call) and outside them."""
+  bodies, current, calls = {}, None, {}
+  for line in text.splitlines():
+    header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if header:
+      current = header[1]
+      bodies[current], calls[current] = [], []
+    elif current:
+      bodies[current].append(line)
+      calls[current] += re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", line)
+  in_loops, stack = set(), [c for name in bodies for line in bodies[name] if " while(" in line
+                            for c in re.findall(r"(?:body|condition)=%?([\w.\-]+)", line)]
+  while stack:
+    name = stack.pop()
+    if name not in in_loops:
+      in_loops.add(name)
+      stack += calls.get(name, [])
+  wanted = [f"f8e4m3fn[{','.join(map(str, s))}]" for s in shapes]
+  cast = lambda line: " convert(" in line and any(line.split("=")[1].lstrip().startswith(w) for w in wanted)
+  count = lambda names: sum(cast(line) for name in names for line in bodies[name] if "=" in line)
+  return count(in_loops), count(set(bodies) - in_loops)
+
+
+def test_the_weights_float8_copies_are_made_outside_the_loop_over_microbatches():
+  """In the program jaxscale hands XLA: with `weights=`, no float8 array of a weight's shape is made inside
+  the `while` loop of the microbatches; without, it is made there, every microbatch. (The program as
+  lowered: XLA:CPU hoists loop-invariant work out of a loop, XLA:GPU does not, benchmarks/NOTES.md; the
+  H100's program is benchmarks/test_gpu_program.py's.)"""
+  params = _models()["plain"][1]
+  microbatches = jnp.zeros((3, 32, 64))
+  shapes = [(128, 64), (64, 128), (128, 48), (48, 128)]
+  lowered = lambda once: _accumulated(_mlp_loss, once).lower(params, microbatches).as_text(dialect="hlo")
+  texts = {once: lowered(once) for once in (True, False)}
+  inside, outside = _float8_arrays_by_place(texts[True], shapes)
+  assert inside == 0 and outside >= 2, (inside, outside)
+  inside, outside = _float8_arrays_by_place(texts[False], shapes)
+  assert inside >= 2 and outside == 0, (inside, outside)
+
+
+def test_weights_outside_a_traced_step_are_an_error_that_says_where_to_build_the_function():
+  params = _models()["plain"][1]
+  with pytest.raises(ValueError, match="concrete arrays.*inside the jitted step"):
+    jaxscale.autocast(_mlp_loss, "mixed_float8", weights=params)
+
+
+def test_weights_under_a_policy_without_float8_is_an_error():
+  params = _models()["plain"][1]
+  with pytest.raises(ValueError, match="'mixed_bfloat16'|has none: leave `weights` out"):
+    jax.jit(lambda p: jaxscale.autocast(_mlp_loss, "mixed_bfloat16", weights=p))(params)
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda p: {k: v for k, v in p.items() if k != "b"}, "structure of the function's first argument"),
+    (lambda p: dict(p, w1=p["w1"].astype(jnp.bfloat16)), r"float32\[128, 48\] where the first argument has "
+                                                         r"bfloat16\[128, 48\] at \['w1'\]"),
+    (lambda p: dict(p, w1=p["w1"][:64]), r"float32\[128, 48\] where the first argument has float32\[64, 48\]"),
+], ids=["structure", "dtype", "shape"])
+def test_weights_unlike_the_first_argument_are_an_error_that_names_the_leaf(change, said):
+  params, x = _models()["plain"][1], jnp.zeros((32, 64))
+
+  def step(p):
+    return jaxscale.autocast(lambda q, x: jnp.sum(q["w1"]), "mixed_float8", weights=p)(change(p), x)
+
+  with pytest.raises(ValueError, match=said):
+    jax.jit(step)(params)
+
+
+def test_weights_no_matmul_reads_are_a_warning():
+  """A function that casts its weights before its matmuls reads none of the float8 copies as given."""
+  params, x = _models()["plain"][1], jnp.zeros((32, 64))
+  widened = lambda p, x: _mlp_loss(jax.tree.map(lambda w: w.astype(jnp.bfloat16), p), x)
+  step = jax.jit(lambda p, x: jax.grad(jaxscale.autocast(widened, "mixed_float8", weights=p))(p, x))
+  with pytest.warns(UserWarning, match="none of its float8 matmuls read one of them"):
+    step(params, x)
