@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from jaxscale import _float8, _interpret, _policy, _tree
 
@@ -337,7 +338,7 @@ def _quantized_weights(weights, policy: _policy.Policy):
     )
   leaves, treedef = jax.tree.flatten(weights)
   floating = [x for x in leaves if _policy.is_floating_array(x)]
-  if floating and not any(isinstance(x, jax.core.Tracer) for x in floating):
+  if floating and not any(isinstance(x, Tracer) for x in floating):
     raise ValueError(
         "`autocast`'s `weights=` got concrete arrays: they would be quantized once, here, and their float8 "
         "copies read at every later call as the parameters change. Build the function inside the jitted "
