@@ -139,8 +139,10 @@ def gpu_program(session):
   # cuBLAS GEMMs, as benchmarks/gpu_program.py compiles by default (pytest starts JAX before it can say so).
   env = {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "CUDA_VISIBLE_DEVICES": "-1",
          "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}
-  tests = session.posargs or ["benchmarks/test_gpu_program.py"]
-  session.run("python", "-m", "pytest", "-q", "-p", "no:xdist", *tests, env=env)
+  # Two workers: each test compiles its own programs on one core (the TPU session cannot: libtpu admits
+  # one process at a time).
+  tests = session.posargs or ["-n", "2", "benchmarks/test_gpu_program.py"]
+  session.run("python", "-m", "pytest", "-q", *tests, env=env)
 
 
 @nox.session(name="tpu-program", python="3.12")
