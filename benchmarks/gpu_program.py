@@ -698,8 +698,8 @@ def model_tables():
 
 
 def accumulation_table(microbatches=4):
-  """The d 4096 Transformer's step over microbatches (a `lax.scan` of gradients, then AdamW): float8 with
-  each weight quantized once a microbatch, and once a step (`autocast(..., weights=params)`)."""
+  """The d 4096 Transformer's step over microbatches (a `lax.scan` of gradients, then AdamW): each weight
+  quantized (float8) or cast (bfloat16) once a microbatch, and once a step (`autocast(..., weights=params)`)."""
   import models
 
   wide = models.GPTConfig(layers=2, width=4096, mlp=16384, heads=32, seq=2048, batch=4)
@@ -709,6 +709,7 @@ def accumulation_table(microbatches=4):
       "mixed_bfloat16": row("mixed_bfloat16"),
       "mixed_float8": row("mixed_float8"),
       "mixed_float8, weights quantized once a step": row("mixed_float8", once=True),
+      "mixed_bfloat16, weights cast once a step": row("mixed_bfloat16", once=True),
   }}
 def reduce_table(layout, width=4096, tokens_per_gpu=1024, n=8):
   """An MLP's gradient (d `width`, 4x hidden, GELU) on `n` H100s under each policy's `reduce_dtype`.

@@ -97,7 +97,7 @@ def gpt_step(policy, config: GPTConfig = GPTConfig(), tx=None):
 def gpt_accumulation_step(policy, config: GPTConfig = GPTConfig(), microbatches: int = 4, once: bool = False):
   """`gpt_step` over `microbatches` microbatches of `config.batch // microbatches` sequences, their gradients
   summed by a `lax.scan` before one AdamW update; with `once`, the autocast function is built in the step
-  with `weights=params`, so each weight is quantized once a step instead of once a microbatch."""
+  with `weights=params`, so each weight is quantized (or cast) once a step instead of once a microbatch."""
   model, tx = GPT(config), adamw()
   tokens = jax.ShapeDtypeStruct((microbatches, config.batch // microbatches, config.seq), jnp.int32)
   loss = _next_token_loss(model)

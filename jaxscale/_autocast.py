@@ -107,13 +107,14 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
     policy: a :class:`Policy`, or a string for :func:`get_policy`.
     enabled: False returns ``fun`` itself (one script, any precision). To keep a region
       out of an enclosing autocast, wrap it in ``autocast(g, "float32")``.
-    weights: under a float8 policy, ``fun``'s first argument (the parameters) as the jitted
-      step has them, before its loop over microbatches: each matrix among them is quantized
-      here, once (its absolute maximum and its float8 cast), and every float8 matmul of
-      ``fun`` that reads that leaf of its first argument reads this float8 copy, forward and
-      backward, however many times the returned function is called. The values are those
-      of quantizing at each call, bit for bit. Quantized from what is passed here: build the
-      function in each step, from the step's parameters (docs/float8.md).
+    weights: ``fun``'s first argument (the parameters) as the jitted step has them, before
+      its loop over microbatches: each matrix among them is copied here, once, into what its
+      matmuls read (under a float8 policy its float8 values and scale: one absolute maximum
+      and one cast; under another, its cast to the compute dtype), and every matmul of ``fun``
+      that reads that leaf of its first argument reads the copy, forward and backward, however
+      many times the returned function is called. The values are those of casting at each
+      call, bit for bit. Copied from what is passed here: build the function in each step,
+      from the step's parameters (docs/float8.md).
 
   Returns:
     The wrapped function.
@@ -121,10 +122,10 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
   Raises:
     TypeError: if ``enabled`` is not a bool, or ``policy`` is neither a :class:`Policy` nor
       a string.
-    ValueError: if the policy string is not understood; if ``weights`` is given under a
-      policy without float8 matmuls, or outside a traced step (concrete arrays, which would
-      be quantized once and read as the parameters change); when called, if ``weights``'
-      structure, shapes or dtypes are not those of the first argument.
+    ValueError: if the policy string is not understood; if ``weights`` is given outside a
+      traced step (concrete arrays, which would be copied once and read as the parameters
+      change); when called, if ``weights``' structure, shapes or dtypes are not those of the
+      first argument.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxscale
@@ -189,8 +190,8 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
       outs = evaluate(closed.jaxpr, closed.consts, arrays, policy)
       if policy.matmul_dtype is not None:  # once per trace of this function, not per call
         _float8.warn_no_float8(_FLOAT8_MATMULS.get(), policy, _describe(fun))
-        if given_at and not _GIVEN.get()[2]:
-          _warn_weights_unread(_describe(fun))
+      if given_at and not _GIVEN.get()[2]:
+        _warn_weights_unread(_describe(fun))
     finally:
       _INPUTS.reset(token)
       _FLOAT8_MATMULS.reset(met)
@@ -315,12 +316,29 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
   params = dict(eqn.params, preferred_element_type=compute)
   written = [policy.reduce_dtype if given and _dtype(x) != compute else compute for x, given in zip(ins, inputs)]
   if all(dtype == compute for dtype in written) or not partitioned:
-    return _interpret.bind(eqn, [_to(x, compute) for x in ins], params)
+    return _interpret.bind(eqn, [_read_copy(x, copy) if (copy := _given(x)) is not None else _to(x, compute)
+                                 for x in ins], params)
   return [_weight_gradient(eqn, params, compute, written, [_dtype(x) for x in ins])(*ins)]
 
 
+@jax.custom_jvp
+def _read_copy(x, copy):
+  """``copy``, the cast of ``x`` to the compute dtype that `autocast`'s ``weights`` made before; its
+  derivative is the cast's (so the gradient reaches ``x`` as a cast there would bring it, bit for bit)."""
+  del x
+  return copy
+
+
+@_read_copy.defjvp
+def _read_copy_jvp(primals, tangents):
+  (x, copy), (x_dot, _) = primals, tangents
+  del x
+  return copy, _to(x_dot, copy.dtype)
+
+
 def _given(x):
-  """The float8 ``(q, k)`` that `autocast`'s ``weights`` gave for the argument ``x`` is, or None."""
+  """What `autocast`'s ``weights`` made for the argument ``x`` is: a float8 policy's ``(q, k)``, another
+  policy's cast to its compute dtype; or None."""
   stands_for, values, read = _GIVEN.get()
   for i, argument in enumerate(stands_for):
     if x is argument:
@@ -330,23 +348,24 @@ def _given(x):
 
 
 def _quantized_weights(weights, policy: _policy.Policy):
-  """`autocast`'s ``weights``: ``(treedef, [(q, k) or None for each leaf])``, each matrix quantized once."""
-  if policy.matmul_dtype is None:
-    raise ValueError(
-        f"`autocast`'s `weights=` quantizes the weights once for a float8 policy's matmuls; the policy "
-        f"'{policy}' has none: leave `weights` out."
-    )
+  """`autocast`'s ``weights``: ``(treedef, [(shape, dtype, copy or None) for each leaf])``, each matrix's
+  copy made once: its float8 ``(q, k)`` under a float8 policy, else its cast to the compute dtype (None
+  where it already is in it)."""
   leaves, treedef = jax.tree.flatten(weights)
   floating = [x for x in leaves if _policy.is_floating_array(x)]
   if floating and not any(isinstance(x, Tracer) for x in floating):
     raise ValueError(
-        "`autocast`'s `weights=` got concrete arrays: they would be quantized once, here, and their float8 "
-        "copies read at every later call as the parameters change. Build the function inside the jitted "
-        "step, from the step's parameters: `jaxscale.autocast(loss, policy, weights=params)`, then call it "
-        "in the loop over microbatches."
+        "`autocast`'s `weights=` got concrete arrays: they would be copied once, here, into what the "
+        "matmuls read, and those copies read at every later call as the parameters change. Build the "
+        "function inside the jitted step, from the step's parameters: `jaxscale.autocast(loss, policy, "
+        "weights=params)`, then call it in the loop over microbatches."
     )
   matrix = lambda x: _policy.is_floating_array(x) and x.ndim >= 2 and jnp.dtype(x.dtype).itemsize > 1
-  return treedef, [(x.shape, x.dtype, _float8.quantize(x, _float8.FORWARD) if matrix(x) else None) for x in leaves]
+  if policy.matmul_dtype is not None:
+    copy = lambda x: _float8.quantize(x, _float8.FORWARD) if matrix(x) else None
+  else:
+    copy = lambda x: _to(x, policy.compute_dtype) if matrix(x) and x.dtype != policy.compute_dtype else None
+  return treedef, [(x.shape, x.dtype, copy(x)) for x in leaves]
 
 
 def _given_at(given, args, callee, statics) -> tuple[tuple, list]:
@@ -380,8 +399,8 @@ def _given_at(given, args, callee, statics) -> tuple[tuple, list]:
 
 def _warn_weights_unread(name: str) -> None:
   warnings.warn(
-      f"`jaxscale.autocast` of {name} was given `weights=`, and none of its float8 matmuls read one of them "
-      "as it was passed in the first argument: each was quantized for nothing. Pass the parameters the "
+      f"`jaxscale.autocast` of {name} was given `weights=`, and none of its matmuls read one of them "
+      "as it was passed in the first argument: each copy was made for nothing. Pass the parameters the "
       "function is called with, unchanged (not a copy cast or reshaped before the call), or leave "
       "`weights` out.",
       stacklevel=3,

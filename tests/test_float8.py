@@ -1044,12 +1044,12 @@ def _flax_loss():
   return (lambda p, x: jnp.mean(net.apply({"params": p}, x) ** 2)), params
 
 
-def _accumulated(loss, once):
+def _accumulated(loss, once, policy="mixed_float8"):
   """Gradients summed over microbatches by a `lax.scan`, the autocast function built in the step."""
 
   @jax.jit
   def step(params, microbatches):
-    cast = jaxscale.autocast(loss, "mixed_float8", weights=params if once else None)
+    cast = jaxscale.autocast(loss, policy, weights=params if once else None)
 
     def microbatch(total, x):
       return jax.tree.map(jnp.add, total, jax.grad(cast)(params, x)), None
@@ -1082,8 +1082,8 @@ def test_weights_quantized_once_a_step_give_each_microbatchs_gradients_bit_for_b
   assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(once))
 
 
-def _float8_arrays_by_place(text: str, shapes) -> tuple[int, int]:
-  """How many casts (``convert``) of an HLO module write a float8 array of one of ``shapes`` inside its
+def _arrays_by_place(text: str, shapes, dtype: str = "f8e4m3fn") -> tuple[int, int]:
+  """How many casts (``convert``) of an HLO module write a ``dtype`` array of one of ``shapes`` inside its
   `while` loops (their bodies and what they call) and outside them."""
   bodies, current, calls = {}, None, {}
   for line in text.splitlines():
@@ -1101,7 +1101,7 @@ def _float8_arrays_by_place(text: str, shapes) -> tuple[int, int]:
     if name not in in_loops:
       in_loops.add(name)
       stack += calls.get(name, [])
-  wanted = [f"f8e4m3fn[{','.join(map(str, s))}]" for s in shapes]
+  wanted = [f"{dtype}[{','.join(map(str, s))}]" for s in shapes]
   cast = lambda line: " convert(" in line and any(line.split("=")[1].lstrip().startswith(w) for w in wanted)
   count = lambda names: sum(cast(line) for name in names for line in bodies[name] if "=" in line)
   return count(in_loops), count(set(bodies) - in_loops)
@@ -1117,9 +1117,9 @@ def test_the_weights_float8_copies_are_made_outside_the_loop_over_microbatches()
   shapes = [(128, 64), (64, 128), (128, 48), (48, 128)]
   lowered = lambda once: _accumulated(_mlp_loss, once).lower(params, microbatches).as_text(dialect="hlo")
   texts = {once: lowered(once) for once in (True, False)}
-  inside, outside = _float8_arrays_by_place(texts[True], shapes)
+  inside, outside = _arrays_by_place(texts[True], shapes)
   assert inside == 0 and outside >= 2, (inside, outside)
-  inside, outside = _float8_arrays_by_place(texts[False], shapes)
+  inside, outside = _arrays_by_place(texts[False], shapes)
   assert inside >= 2 and outside == 0, (inside, outside)
 
 
@@ -1129,10 +1129,21 @@ def test_weights_outside_a_traced_step_are_an_error_that_says_where_to_build_the
     jaxscale.autocast(_mlp_loss, "mixed_float8", weights=params)
 
 
-def test_weights_under_a_policy_without_float8_is_an_error():
-  params = _models()["plain"][1]
-  with pytest.raises(ValueError, match="'mixed_bfloat16'|has none: leave `weights` out"):
-    jax.jit(lambda p: jaxscale.autocast(_mlp_loss, "mixed_bfloat16", weights=p))(params)
+@pytest.mark.parametrize("policy, dtype", [("mixed_bfloat16", "bf16"), ("mixed_float16", "f16")])
+def test_weights_under_a_16_bit_policy_are_cast_once_with_the_same_gradients(policy, dtype):
+  """Under a policy without float8, `weights=` makes each matrix's cast to the compute dtype once, outside the
+  loop, with the gradients of casting at every microbatch bit for bit (JAX's own cast and its transpose)."""
+  loss, params = _models()["plain"]
+  microbatches = jnp.asarray(normal((3, 32, 64), seed=8))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no warning that the given weights went unread
+    once = _accumulated(loss, True, policy)(params, microbatches)
+  each = _accumulated(loss, False, policy)(params, microbatches)
+  for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(each)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  texts = {o: _accumulated(loss, o, policy).lower(params, microbatches).as_text(dialect="hlo") for o in (True, False)}
+  assert _arrays_by_place(texts[True], [(128, 64), (128, 48)], dtype) == (0, 2)
+  assert _arrays_by_place(texts[False], [(128, 64), (128, 48)], dtype)[0] >= 2
 
 
 @pytest.mark.parametrize("change, said", [
@@ -1156,5 +1167,5 @@ def test_weights_no_matmul_reads_are_a_warning():
   params, x = _models()["plain"][1], jnp.zeros((32, 64))
   widened = lambda p, x: _mlp_loss(jax.tree.map(lambda w: w.astype(jnp.bfloat16), p), x)
   step = jax.jit(lambda p, x: jax.grad(jaxscale.autocast(widened, "mixed_float8", weights=p))(p, x))
-  with pytest.warns(UserWarning, match="none of its float8 matmuls read one of them"):
+  with pytest.warns(UserWarning, match="none of its matmuls read one of them"):
     step(params, x)
