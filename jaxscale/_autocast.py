@@ -148,7 +148,7 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
   policy = _policy.get_policy(policy)
   if not enabled:
     return fun
-  given = _quantized_weights(weights, policy) if weights is not None else None
+  given = _weight_copies(weights, policy) if weights is not None else None
 
   # An NNX module called as `fun`, or whose method `fun` is, holds the parameters itself: as a
   # pytree (`Partial` for a method) its arrays are traced like the arguments'.
@@ -184,7 +184,7 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
 
     closed = jax.make_jaxpr(traced)(*arrays)
     token, met = _INPUTS.set(arrays), _FLOAT8_MATMULS.set([])
-    # The given float8 copies, by the argument they stand for (its value in this program), and which were read.
+    # The copies `weights` made, by the argument each stands for (its value in this program), and which were read.
     read_given = _GIVEN.set(([arrays[i] for i in given_at], list(given_values), set()))
     try:
       outs = evaluate(closed.jaxpr, closed.consts, arrays, policy)
@@ -261,8 +261,8 @@ class _Static:
 # matmul writes the gradient of one of them (a parameter) in its own dtype, an activation's in the
 # compute dtype.
 _INPUTS: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxscale_autocast_inputs", default=())
-# The float8 copies of `autocast`'s `weights` while the function is evaluated: the arguments they
-# stand for, their `(q, k)`, and the indices of those a matmul read.
+# The copies `autocast`'s `weights` made, while the function is evaluated: the arguments they stand
+# for, the copies (a float8 `(q, k)`, or a cast), and the indices of those a matmul read.
 _GIVEN: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxscale_autocast_given", default=((), [], set()))
 # The matmuls a float8 policy meets while the autocast function is traced, for the warning that none
 # of them runs in float8.
@@ -347,7 +347,7 @@ def _given(x):
   return None
 
 
-def _quantized_weights(weights, policy: _policy.Policy):
+def _weight_copies(weights, policy: _policy.Policy):
   """`autocast`'s ``weights``: ``(treedef, [(shape, dtype, copy or None) for each leaf])``, each matrix's
   copy made once: its float8 ``(q, k)`` under a float8 policy, else its cast to the compute dtype (None
   where it already is in it)."""
@@ -370,8 +370,8 @@ def _quantized_weights(weights, policy: _policy.Policy):
 
 def _given_at(given, args, callee, statics) -> tuple[tuple, list]:
   """The indices, among the autocast function's array arguments, of the matrices of its first argument
-  that ``given`` (`_quantized_weights`) quantized, and their ``(q, k)``."""
-  treedef, quantized = given
+  that ``given`` (`_weight_copies`) made a copy of, and the copies."""
+  treedef, copies = given
   first = args[0] if args else None
   leaves, first_treedef = jax.tree.flatten(first)
   if not args or first_treedef != treedef:
@@ -380,8 +380,8 @@ def _given_at(given, args, callee, statics) -> tuple[tuple, list]:
         f"it is called with); the weights are {treedef}, the first argument "
         f"{first_treedef if args else 'missing'}."
     )
-  for (path, leaf), (shape, dtype, qk) in zip(jax.tree_util.tree_leaves_with_path(first), quantized):
-    if qk is not None and (jnp.shape(leaf) != shape or jnp.result_type(leaf) != dtype):
+  for (path, leaf), (shape, dtype, copy) in zip(jax.tree_util.tree_leaves_with_path(first), copies):
+    if copy is not None and (jnp.shape(leaf) != shape or jnp.result_type(leaf) != dtype):
       raise ValueError(
           f"`autocast`'s `weights=` has {jnp.dtype(dtype).name}{list(shape)} where the first argument has "
           f"{jnp.result_type(leaf).name}{list(jnp.shape(leaf))} at {jax.tree_util.keystr(path)}: pass the "
@@ -390,10 +390,10 @@ def _given_at(given, args, callee, statics) -> tuple[tuple, list]:
   offset = len(jax.tree.leaves(callee))  # the callee's arrays come first in the flattened arguments
   array_index = {leaf: n for n, leaf in enumerate(i for i, s in enumerate(statics) if s is _DYNAMIC)}
   at, values = [], []
-  for i, (_, _, qk) in enumerate(quantized):
-    if qk is not None and offset + i in array_index:
+  for i, (_, _, copy) in enumerate(copies):
+    if copy is not None and offset + i in array_index:
       at.append(array_index[offset + i])
-      values.append(qk)
+      values.append(copy)
   return tuple(at), values
 
 
