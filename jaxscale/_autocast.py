@@ -120,8 +120,8 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
     The wrapped function.
 
   Raises:
-    TypeError: if ``enabled`` is not a bool, or ``policy`` is neither a :class:`Policy` nor
-      a string.
+    TypeError: if ``enabled`` is not a bool, ``policy`` is neither a :class:`Policy` nor
+      a string, or ``weights`` holds no floating array.
     ValueError: if the policy string is not understood; if ``weights`` is given outside a
       traced step (concrete arrays, which would be copied once and read as the parameters
       change); when called, if ``weights``' structure, shapes or dtypes are not those of the
@@ -353,7 +353,12 @@ def _weight_copies(weights, policy: _policy.Policy):
   where it already is in it)."""
   leaves, treedef = jax.tree.flatten(weights)
   floating = [x for x in leaves if _policy.is_floating_array(x)]
-  if floating and not any(isinstance(x, Tracer) for x in floating):
+  if not floating:
+    raise TypeError(
+        f"`autocast`'s `weights=` takes the parameters the function is called with (a pytree of floating "
+        f"arrays), got {type(weights).__name__} with no floating array in it."
+    )
+  if not any(isinstance(x, Tracer) for x in floating):
     raise ValueError(
         "`autocast`'s `weights=` got concrete arrays: they would be copied once, here, into what the "
         "matmuls read, and those copies read at every later call as the parameters change. Build the "

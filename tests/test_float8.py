@@ -1123,6 +1123,12 @@ def test_the_weights_float8_copies_are_made_outside_the_loop_over_microbatches()
   assert inside >= 2 and outside == 0, (inside, outside)
 
 
+@pytest.mark.parametrize("weights", ["params", [1, 2], jnp.arange(3)], ids=["string", "ints", "int_array"])
+def test_weights_without_a_floating_array_are_an_error_that_says_what_to_pass(weights):
+  with pytest.raises(TypeError, match="takes the parameters the function is called with"):
+    jaxscale.autocast(_mlp_loss, "mixed_float8", weights=weights)
+
+
 def test_weights_outside_a_traced_step_are_an_error_that_says_where_to_build_the_function():
   params = _models()["plain"][1]
   with pytest.raises(ValueError, match="concrete arrays.*inside the jitted step"):
