@@ -524,13 +524,16 @@ def hand_written_kahan(params, state, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8
   return new_params, (count, comp, mu, nu)
 
 
-def hand_written_numerics(params, state, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
+def hand_written_numerics(params, state, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8,
+                          stochastic_moments=True, exact_landing=True, spacing_units=True):
   """`hand_written_kahan` with the numerics of jaxscale's Kahan + bfloat16 state step, in plain JAX: the
   floor of its compile time. Each moment rounded stochastically (one hash per element, its two 16-bit
   halves, carried into bfloat16's bits), the compensation stored in units of the parameter's spacing,
   and the update landing exactly: the difference rounded once, moved one spacing towards zero where it
   would land on inf or on a zero whose remainder saturates the compensation, -0.0 where nothing moves.
-  No optimizer plumbing: no skip, no tree of wrappers, one key split per step."""
+  No optimizer plumbing: no skip, no tree of wrappers, one key split per step. Each of the three can be
+  turned off (moments to nearest; the parameter rounded to nearest; the compensation raw), to measure
+  what each costs in compile time (the `sixteen-floor` table)."""
   count, key, comp, mu, nu = state
   count = count + 1
   c1, c2 = 1 - b1 ** count.astype(jnp.float32), 1 - b2 ** count.astype(jnp.float32)
@@ -547,6 +550,8 @@ def hand_written_numerics(params, state, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1
     return lax.bitcast_convert_type(x, dtype)
 
   def ulp_at(x):  # bfloat16's spacing at |x|, from the exponent bits, at least float32's smallest normal
+    if not spacing_units:
+      return jnp.float32(1)
     exponent = (as_bits(x, jnp.int32) & 0x7F800000) - (7 << 23)
     return as_bits(jnp.maximum(exponent, 1 << 23), jnp.float32)
 
@@ -571,17 +576,21 @@ def hand_written_numerics(params, state, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1
     step = u + c.astype(jnp.float32) * ulp_at(start)
     exact = jnp.clip(start + step, -big, big)
     wanted = nearest(exact)
-    difference = nearest(jnp.clip(wanted - start, -big, big))
-    landed = nearest(start + difference)
-    closer = jnp.isinf(landed) | ((landed == 0) & (jnp.abs(exact) > saturates))
-    toward_zero = as_bits(as_bits(difference) - jnp.uint32(1 << 16), jnp.float32)
-    difference = jnp.where(closer, toward_zero, difference)
-    landed = nearest(start + difference)
-    difference = jnp.where(wanted == start, jnp.float32(-0.0), difference)
+    if exact_landing:
+      difference = nearest(jnp.clip(wanted - start, -big, big))
+      landed = nearest(start + difference)
+      closer = jnp.isinf(landed) | ((landed == 0) & (jnp.abs(exact) > saturates))
+      toward_zero = as_bits(as_bits(difference) - jnp.uint32(1 << 16), jnp.float32)
+      difference = jnp.where(closer, toward_zero, difference)
+      landed = nearest(start + difference)
+      new = p + jnp.where(wanted == start, jnp.float32(-0.0), difference).astype(p.dtype)
+    else:
+      landed, new = wanted, wanted.astype(p.dtype)
     remainder = jnp.clip((step - (landed - start)) / ulp_at(landed), -big, big)
-    bits = hash32(lax.iota(jnp.uint32, p.size).reshape(p.shape) ^ seeds[i][0]) + seeds[i][1]
-    out.append(((p + difference.astype(p.dtype)), remainder.astype(c.dtype),
-                stochastic(m, bits >> 16).astype(jnp.bfloat16), stochastic(v, bits & 0xFFFF).astype(jnp.bfloat16)))
+    if stochastic_moments:
+      bits = hash32(lax.iota(jnp.uint32, p.size).reshape(p.shape) ^ seeds[i][0]) + seeds[i][1]
+      m, v = stochastic(m, bits >> 16), stochastic(v, bits & 0xFFFF)
+    out.append((new, remainder.astype(c.dtype), m.astype(jnp.bfloat16), v.astype(jnp.bfloat16)))
   new_params, comp, mu, nu = ([o[i] for o in out] for i in range(4))
   return new_params, (count, key, comp, mu, nu)
 
@@ -589,6 +598,22 @@ def hand_written_numerics(params, state, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1
 # The leaf counts of the sixteen tables: the benchmark's 8, and the leaf counts of real models (a
 # ResNet50 has 161 parameter leaves, GPT-2 small 148). 1000 leaves (`--leaves 1000`) compiles for minutes.
 SIXTEEN_LEAVES = (8, 48, 150)
+
+
+def sixteen_floor_table(n_leaves=48):
+  """`hand_written_numerics` with each of its three numerics taken out, and all three: what each costs in
+  compile time, against float32 Adam's."""
+  rows = sixteen_table(n_leaves=n_leaves)
+  _, args, donate = rows["hand-written, jaxscale's numerics (plain JAX)"]()
+  variant = lambda **off: lambda: (functools.partial(hand_written_numerics, **off), args, donate)
+  return {f"Adam step, 32M params / {n_leaves} leaves, the numerics' compile time": {
+      "float32 Adam": rows["float32 Adam"],
+      "jaxscale's numerics by hand": variant(),
+      "moments to nearest": variant(stochastic_moments=False),
+      "parameter to nearest": variant(exact_landing=False),
+      "compensation raw": variant(spacing_units=False),
+      "none of the three": variant(stochastic_moments=False, exact_landing=False, spacing_units=False),
+  }}
 
 
 def sixteen_tables(leaves=SIXTEEN_LEAVES, n_params=32_000_000):
@@ -745,6 +770,8 @@ TABLES = {
     "sixteen": sixteen_tables,  # its leaf counts: `--leaves`
     # Not in the default run: its 16-bit step compiles for about a minute.
     "sixteen-gpt": sixteen_gpt_table,
+    # Not in the default run: the 16-bit numerics' compile time, each part taken out (48 leaves).
+    "sixteen-floor": sixteen_floor_table,
     # Not in the default run: three steps of the d 4096 Transformer over microbatches, about a minute.
     "accumulation": accumulation_table,
     "float8": lambda: {"transformer block fwd+bwd, d 4096, seq 2048, batch 4": float8_table(),
@@ -766,7 +793,7 @@ TABLES = {
 
 DEFAULT_TABLES = ["scaler", "sixteen", "float8"]
 # The tables whose compile time is part of the result: a CPU-seconds column and its ratio.
-TIMED_TABLES = ("sixteen", "sixteen-gpt")
+TIMED_TABLES = ("sixteen", "sixteen-gpt", "sixteen-floor")
 
 
 def _importable(module):
