@@ -228,6 +228,12 @@ class Program:
   compile_cpu_s: float = 0.0  # the same, CPU seconds of this process
   collectives: tuple = ()  # ((op, dtype, bytes), ...): the bytes each op moves in each dtype, summed
   accessed_bytes: int = 0  # a TPU's: XLA:TPU's cost analysis' "bytes accessed" (VMEM traffic included)
+  # XLA's own figures where the release reports them (0 where not): its heap at its fullest, small
+  # buffers' slots and gaps included (`peak_memory_in_bytes`), and every allocation the step's buffer
+  # assignment makes, arguments included (`total_allocation_bytes`, a TPU's). On a TPU `peak_bytes`
+  # sums a temporaries' figure about twice that assignment's temporary allocation (benchmarks/NOTES.md).
+  xla_peak_bytes: int = 0
+  allocated_bytes: int = 0
 
   @property
   def collective_bytes(self) -> int:
@@ -236,6 +242,8 @@ class Program:
   def ratios(self, base: Program) -> dict:
     return {"kernels": self.kernels / base.kernels, "hbm": self.hbm_bytes / base.hbm_bytes,
             "peak": self.peak_bytes / base.peak_bytes, "estimate": self.estimate_s / base.estimate_s,
+            "xla_peak": self.xla_peak_bytes / base.xla_peak_bytes if base.xla_peak_bytes else math.nan,
+            "allocated": self.allocated_bytes / base.allocated_bytes if base.allocated_bytes else math.nan,
             "compile": self.compile_cpu_s / base.compile_cpu_s if base.compile_cpu_s else math.nan}
 
 
@@ -341,13 +349,21 @@ def read_program(compiled) -> Program:
     gemms += (flops > 0) * times
     estimate += (max(nbytes / HBM_BYTES_PER_S, flops / TENSOR_FLOPS.get(dtype, TENSOR_FLOPS["f32"])) + LAUNCH_S) * times
   collectives = tuple((op, dtype, n) for (op, dtype), n in sorted(wire.items()))
-  return Program(kernels, moved, copies, fp8, gemms, peak_bytes(compiled), estimate, collectives=collectives)
+  return Program(kernels, moved, copies, fp8, gemms, peak_bytes(compiled), estimate, collectives=collectives,
+                 **xla_memory(compiled))
 
 
 def peak_bytes(compiled) -> int:
   memory = compiled.memory_analysis()
   return int(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
              + memory.temp_size_in_bytes)
+
+
+def xla_memory(compiled) -> dict:
+  """`Program.xla_peak_bytes` and `allocated_bytes`: XLA's own figures, 0 where the release has none."""
+  memory = compiled.memory_analysis()
+  return {"xla_peak_bytes": int(getattr(memory, "peak_memory_in_bytes", 0) or 0),
+          "allocated_bytes": int(getattr(memory, "total_allocation_bytes", 0) or 0)}
 
 
 # Not a kernel on a TPU: the DMAs that bring an operand into VMEM, and the second halves of async pairs.
@@ -383,7 +399,8 @@ def read_tpu_program(compiled, chip: Tpu) -> Program:
   accessed, flops = float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0))
   moved = tpu_hbm_bytes(comps["ENTRY"])
   estimate = max(moved / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
-  return Program(kernels, moved, copies, fp8, gemms, peak_bytes(compiled), estimate, accessed_bytes=int(accessed))
+  return Program(kernels, moved, copies, fp8, gemms, peak_bytes(compiled), estimate, accessed_bytes=int(accessed),
+                 **xla_memory(compiled))
 
 
 def tpu_hbm_bytes(entry: list[re.Match]) -> int:
@@ -850,18 +867,24 @@ def markdown(title, programs: dict[str, Program], timed=False) -> list[str]:
 
 
 def tpu_markdown(title, programs: dict[str, Program], timed=False) -> list[str]:
-  """A TPU table (wall seconds of compilation always); `timed`: CPU seconds too, and their ratio."""
+  """A TPU table (wall seconds of compilation always); `timed`: CPU seconds too, and their ratio.
+
+  Three readings of the memory: "peak" as the H100's tables read it (arguments, outputs and the
+  temporaries' figure), XLA's peak (its heap at its fullest), and what its buffer assignment allocates.
+  """
   base = next(iter(programs.values()))
   lines = [f"**{title}**", "",
            "| program | kernels | HBM MB | x | accessed MB | x | copies | float8 matmuls | peak MB | x "
-           "| roofline ms | x | compile s |" + (" compile s (CPU) | x |" if timed else ""),
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-           + (" ---: | ---: |" if timed else "")]
+           "| XLA peak MB | x | allocated MB | x | roofline ms | x | compile s |"
+           + (" compile s (CPU) | x |" if timed else ""),
+           "| --- |" + " ---: |" * 16 + (" ---: | ---: |" if timed else "")]
   for name, p in programs.items():
     r = p.ratios(base)
     lines.append(f"| {name} | {p.kernels} | {p.hbm_bytes / 1e6:.1f} | {r['hbm']:.3f} | {p.accessed_bytes / 1e6:.1f} | "
                  f"{p.accessed_bytes / base.accessed_bytes:.3f} | {p.copies} | {p.fp8_gemms} | "
-                 f"{p.peak_bytes / 1e6:.1f} | {r['peak']:.3f} | {p.estimate_s * 1e3:.3f} | {r['estimate']:.3f} | "
+                 f"{p.peak_bytes / 1e6:.1f} | {r['peak']:.3f} | {p.xla_peak_bytes / 1e6:.1f} | {r['xla_peak']:.3f} | "
+                 f"{p.allocated_bytes / 1e6:.1f} | {r['allocated']:.3f} | "
+                 f"{p.estimate_s * 1e3:.3f} | {r['estimate']:.3f} | "
                  f"{p.compile_s:.1f} |" + (f" {p.compile_cpu_s:.2f} | {r['compile']:.2f} |" if timed else ""))
   return lines + [""]
 
