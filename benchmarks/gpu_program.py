@@ -651,7 +651,35 @@ def sixteen_gpt_table():
       "mixed_bfloat16, AdamW": row(functools.partial(models.gpt_step, "mixed_bfloat16")),
       "mixed_bfloat16, AdamW(mu_dtype=bfloat16)": row(functools.partial(models.gpt_step, "mixed_bfloat16", tx=bf16_mu)),
       "bfloat16 params, kahan + bf16 state + scaler": row(models.gpt_sixteen_step),
+      "bfloat16 params, hand-written Kahan (plain JAX)": row(
+          functools.partial(gpt_hand_written_step, hand_written_kahan)),
+      "bfloat16 params, jaxscale's numerics by hand (plain JAX)": row(
+          functools.partial(gpt_hand_written_step, hand_written_numerics)),
   }}
+
+
+def gpt_hand_written_step(update):
+  """The 16-bit GPT step's floor: `models.gpt_sixteen_step`'s model and forward (bfloat16 parameters and
+  compute, no scaler), its gradients in float32 handed to `update` (`hand_written_kahan` or
+  `hand_written_numerics`: Adam by hand over the list of leaves, no weight decay, no optimizer tree)."""
+  import models
+
+  config = models.GPTConfig()
+  model = models.GPT(config)
+  tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
+  loss = jaxscale.autocast(models.next_token_loss(model), "params=bfloat16,compute=bfloat16,output=float32")
+
+  def step(params, state, tokens):
+    value, grads = jax.value_and_grad(loss)(params, tokens)
+    leaves, treedef = jax.tree.flatten(params)
+    new, state = update(leaves, state, [g.astype(jnp.float32) for g in jax.tree.leaves(grads)])
+    return jax.tree.unflatten(treedef, new), state, value
+
+  params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+  leaves = [jax.ShapeDtypeStruct(p.shape, jnp.bfloat16) for p in jax.tree.leaves(params)]
+  params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+  key = (jnp.zeros(2, jnp.uint32),) if update is hand_written_numerics else ()
+  return step, (params, (jnp.zeros((), jnp.int32), *key, leaves, leaves, leaves), tokens)
 
 
 def transformer_block(params, x, *, heads):

@@ -83,7 +83,7 @@ def gpt_step(policy, config: GPTConfig = GPTConfig(), tx=None):
   """`(step, (params, opt_state, tokens))`: next-token prediction under `policy`, `tx` (default AdamW), shapes only."""
   model, tx = GPT(config), tx or adamw()
   tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
-  cast_loss = jaxscale.autocast(_next_token_loss(model), policy)
+  cast_loss = jaxscale.autocast(next_token_loss(model), policy)
 
   def step(params, opt_state, tokens):
     value, grads = jax.value_and_grad(cast_loss)(params, tokens)
@@ -100,7 +100,7 @@ def gpt_accumulation_step(policy, config: GPTConfig = GPTConfig(), microbatches:
   with `weights=params`, so each weight is quantized (or cast) once a step instead of once a microbatch."""
   model, tx = GPT(config), adamw()
   tokens = jax.ShapeDtypeStruct((microbatches, config.batch // microbatches, config.seq), jnp.int32)
-  loss = _next_token_loss(model)
+  loss = next_token_loss(model)
 
   def step(params, opt_state, tokens):
     cast_loss = jaxscale.autocast(loss, policy, weights=params if once else None)
@@ -125,7 +125,7 @@ def gpt_sixteen_step(config: GPTConfig = GPTConfig()):
   tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
   tx = jaxscale.master_weights(jaxscale.dynamic_loss_scaling(jaxscale.low_precision_state(adamw())), method="kahan")
   policy = "params=bfloat16,compute=bfloat16,output=float32"
-  grad = jaxscale.value_and_grad(jaxscale.autocast(_next_token_loss(model), policy))
+  grad = jaxscale.value_and_grad(jaxscale.autocast(next_token_loss(model), policy))
 
   def step(params, opt_state, tokens):
     value, grads, finite = grad(jaxscale.find_scaler(opt_state), params, tokens)
@@ -137,7 +137,7 @@ def gpt_sixteen_step(config: GPTConfig = GPTConfig()):
   return step, (params, jax.eval_shape(tx.init, params), tokens)
 
 
-def _next_token_loss(model):
+def next_token_loss(model):
   def loss(params, tokens):
     logits = model.apply({"params": params}, tokens)
     targets = jnp.roll(tokens, -1, axis=-1)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from jaxscale import _float8, _interpret, _policy, _tree
+from jaxscale import _float8, _interpret, _policy, _tree, _where
 
 F = TypeVar("F", bound=Callable)
 
@@ -408,7 +408,7 @@ def _warn_weights_unread(name: str) -> None:
       "as it was passed in the first argument: each copy was made for nothing. Pass the parameters the "
       "function is called with, unchanged (not a copy cast or reshaped before the call), or leave "
       "`weights` out.",
-      stacklevel=3,
+      stacklevel=_where.user_stacklevel(),
   )
 
 

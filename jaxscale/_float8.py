@@ -57,7 +57,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jaxscale import _tree
+from jaxscale import _tree, _where
 from jaxscale._numerics import power_of_two
 
 FORWARD = np.dtype(jnp.float8_e4m3fn)  # the operands of the forward product
@@ -272,7 +272,7 @@ def warn_float8_arguments(arrays) -> None:
         "`param_dtype`) and use the policy 'mixed_float8', which quantizes each matmul's operands with a "
         "scale of their own. Float8 data that is not trained on is fine: cast it to bfloat16 before the "
         "call to silence this warning.",
-        stacklevel=3,
+        stacklevel=_where.user_stacklevel(),
     )
 
 
@@ -283,7 +283,7 @@ def warn_not_float8(name: str) -> None:
       "runs in the dtypes the program gives it, and `precision_report` counts it there. Write it as "
       "`jax.lax.dot_general` to have it in float8, or wrap it in `jaxscale.autocast(g, 'mixed_bfloat16')` "
       "to keep it in bfloat16 and silence this warning.",
-      stacklevel=2,
+      stacklevel=_where.user_stacklevel(),
   )
 
 
@@ -318,7 +318,7 @@ def warn_no_float8(matmuls, policy: Any, name: str) -> None:
       f"(`precision_report` lists every reason). On a GPU whose float8 pays at a lower intensity than an "
       "H100's 512, or to study float8's numerics, lower the policy's `min_intensity` (e.g. "
       "'mixed_float8,min_intensity=0'); otherwise use 'mixed_bfloat16' to say so.",
-      stacklevel=2,
+      stacklevel=_where.user_stacklevel(),
   )
 
 

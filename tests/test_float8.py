@@ -865,6 +865,7 @@ def test_a_float8_function_with_no_float8_matmul_names_the_largest_product_and_i
   with pytest.warns(UserWarning, match=NONE_FLOAT8) as said:
     jax.grad(jaxscale.autocast(two_small_matmuls, float8_at(512)))(w1, w2, x)
   (warning,) = said
+  assert warning.filename == __file__  # the line that called it, not JAX's tracing machinery
   message = str(warning.message)
   assert "`two_small_matmuls` (test_float8.py:" in message and "runs none of its 2 matmuls in float8" in message
   # The largest product is x @ w1, [64,128] x [128,32]: intensity 64*128*32 / (64*128 + 128*32 + 64*32).
@@ -956,16 +957,18 @@ def test_a_float8_parameter_is_a_warning_that_says_to_store_float32(policy):
                     r"Store them in float32 .* use the policy 'mixed_float8'") as record:
     loss(params, x)
   assert record[0].filename == __file__  # the warning points at the call, not into jaxscale
-  with pytest.warns(UserWarning, match="got float8 arrays"):
+  with pytest.warns(UserWarning, match="got float8 arrays") as record:
     assert jax.grad(loss)(params, x)["w"].dtype == E4M3  # what the warning is about
+  assert record[0].filename == __file__  # through `jax.grad` too
 
 
 def test_a_matmul_primitive_float8_does_not_reach_is_a_warning_that_says_what_to_do():
   x, w, sizes = jnp.ones((32, 32)), jnp.ones((2, 32, 32)), jnp.array([16, 16], jnp.int32)
   ragged = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
   warning = "met `ragged_dot_general`, a matmul it does not run in float8.*'mixed_bfloat16'"
-  with pytest.warns(UserWarning, match=warning):
+  with pytest.warns(UserWarning, match=warning) as said:
     out = jaxscale.autocast(ragged, "mixed_float8")(x, w)
+  assert said[0].filename == __file__
   np.testing.assert_array_equal(out, ragged(x, w))  # as the program gave it: float32
 
 
@@ -1173,5 +1176,6 @@ def test_weights_no_matmul_reads_are_a_warning():
   params, x = _models()["plain"][1], jnp.zeros((32, 64))
   widened = lambda p, x: _mlp_loss(jax.tree.map(lambda w: w.astype(jnp.bfloat16), p), x)
   step = jax.jit(lambda p, x: jax.grad(jaxscale.autocast(widened, "mixed_float8", weights=p))(p, x))
-  with pytest.warns(UserWarning, match="none of its matmuls read one of them"):
+  with pytest.warns(UserWarning, match="none of its matmuls read one of them") as said:
     step(params, x)
+  assert [w.filename for w in said if "read one of them" in str(w.message)] == [__file__]  # the jitted step's line
