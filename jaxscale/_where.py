@@ -17,11 +17,8 @@ _LIBRARIES = ("jaxscale", "jax", "jaxlib", "flax", "equinox", "optax")
 def user_stacklevel() -> int:
   """The ``stacklevel`` that makes ``warnings.warn``, called by this function's caller, name the
   first frame outside jaxscale, JAX and the libraries it is called through (1: the caller itself)."""
-  skipped = tuple(
-      os.path.dirname(module.__file__) + os.sep
-      for module in (sys.modules.get(name) for name in _LIBRARIES)
-      if module is not None and getattr(module, "__file__", None)
-  )
+  files = (getattr(sys.modules.get(name), "__file__", None) for name in _LIBRARIES)
+  skipped = tuple(os.path.dirname(file) + os.sep for file in files if isinstance(file, str))
   frame, level = sys._getframe(1), 1
   while frame.f_back is not None and frame.f_code.co_filename.startswith(skipped):
     frame, level = frame.f_back, level + 1
