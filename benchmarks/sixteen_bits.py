@@ -64,13 +64,15 @@ def rounded_to_params(inner):
   def init_fn(params):
     return inner.init(jax.tree.map(lambda p: p.astype(jnp.float32), params))
 
-  def update_fn(grads, state, params):
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(grads, state, params, **extra_args):  # the gradient site's `finite`, for a scaler inside
     params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    updates, state = inner.update(grads32, state, params32)
+    updates, state = inner.update(grads32, state, params32, **extra_args)
     return jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params), state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def digits():

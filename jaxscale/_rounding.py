@@ -52,13 +52,18 @@ def raw_key(key, who: str) -> jax.Array:
 
 
 def split_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """A wrapper's raw key split into the next step's key and this step's draw.
+  """A wrapper's raw key split into the next step's key and this step's draw, in counter mode.
 
-  Both are computed whole before anything reads them (an optimization barrier): otherwise XLA
-  fuses the split into the kernel that writes the next key over the donated old one and again
-  into a seed kernel that reads the old key after it, and copies the key first (benchmarks/NOTES.md).
+  The draw hashes both words of the key, and is computed whole before anything reads it (an
+  optimization barrier); the next key is the key with one added to its first word. Elementwise,
+  that one XLA writes over the donated old key in place, where `jax.random.split`'s next key was
+  copied into it (benchmarks/NOTES.md). The draws of successive steps are hashes of successive
+  counters, as a counter-based generator's are.
   """
-  return jax.lax.optimization_barrier(tuple(jax.random.split(key)))
+  key = key.astype(jnp.uint32)
+  draw = jnp.stack([_lowbias32(key[0] ^ _lowbias32(key[1])),
+                    _lowbias32(key[1] ^ _lowbias32(key[0] + jnp.uint32(0x9E3779B9)))])
+  return key + jnp.array([1, 0], jnp.uint32), jax.lax.optimization_barrier(draw)
 
 
 def leaf_key(key: jax.Array, stream: int, index: int | jax.Array) -> tuple[jax.Array, jax.Array]:
