@@ -1128,8 +1128,16 @@ def test_the_weights_float8_copies_are_made_outside_the_loop_over_microbatches()
 
 @pytest.mark.parametrize("weights", ["params", [1, 2], jnp.arange(3)], ids=["string", "ints", "int_array"])
 def test_weights_without_a_floating_array_are_an_error_that_says_what_to_pass(weights):
-  with pytest.raises(TypeError, match="takes the parameters the function is called with"):
+  got = f"got {type(weights).__name__} with no floating array"
+  with pytest.raises(TypeError, match=f"takes the parameters the function is called with.*{got}"):
     jaxscale.autocast(_mlp_loss, "mixed_float8", weights=weights)
+
+
+def test_weights_and_a_call_without_arguments_are_an_error_that_says_the_parameters_are_missing():
+  params = _models()["plain"][1]
+  step = jax.jit(lambda p: jaxscale.autocast(lambda: jnp.zeros(()), "mixed_float8", weights=p)())
+  with pytest.raises(ValueError, match="structure of the function's first argument.*the first argument missing"):
+    step(params)
 
 
 def test_weights_outside_a_traced_step_are_an_error_that_says_where_to_build_the_function():
