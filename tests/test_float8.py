@@ -1126,6 +1126,19 @@ def test_the_weights_float8_copies_are_made_outside_the_loop_over_microbatches()
   assert inside >= 2 and outside == 0, (inside, outside)
 
 
+def test_weights_copies_are_made_of_each_matrix_and_of_nothing_else():
+  """A copy made once is a matrix's: bfloat16 weights are quantized once too, and a bias (a vector, which
+  no matmul reads as an operand) gets no copy, under a float8 policy and under a 16-bit one."""
+  params = dict(_models()["plain"][1], w1=_models()["plain"][1]["w1"].astype(jnp.bfloat16))
+  microbatches = jnp.asarray(normal((3, 32, 64), seed=8))
+  text = _accumulated(_mlp_loss, True).lower(params, microbatches).as_text(dialect="hlo")
+  assert _arrays_by_place(text, [(128, 64), (128, 48)]) == (0, 2)  # the float32 and the bfloat16 matrix, once
+  assert _arrays_by_place(text, [(128,)]) == (0, 0)  # no float8 copy of the bias
+  text = _accumulated(_mlp_loss, True, "mixed_bfloat16").lower(params, microbatches).as_text(dialect="hlo")
+  assert _arrays_by_place(text, [(128, 64)], "bf16") == (0, 1)  # the float32 matrix cast once
+  assert _arrays_by_place(text, [(128,)], "bf16")[1] == 0  # the bias is not cast ahead of the loop
+
+
 @pytest.mark.parametrize("weights", ["params", [1, 2], jnp.arange(3)], ids=["string", "ints", "int_array"])
 def test_weights_without_a_floating_array_are_an_error_that_says_what_to_pass(weights):
   got = f"got {type(weights).__name__} with no floating array"
