@@ -228,10 +228,11 @@ class Program:
   compile_cpu_s: float = 0.0  # the same, CPU seconds of this process
   collectives: tuple = ()  # ((op, dtype, bytes), ...): the bytes each op moves in each dtype, summed
   accessed_bytes: int = 0  # a TPU's: XLA:TPU's cost analysis' "bytes accessed" (VMEM traffic included)
-  # XLA's own figures where the release reports them (0 where not): its heap at its fullest, small
-  # buffers' slots and gaps included (`peak_memory_in_bytes`), and every allocation the step's buffer
-  # assignment makes, arguments included (`total_allocation_bytes`, a TPU's). On a TPU `peak_bytes`
-  # sums a temporaries' figure about twice that assignment's temporary allocation (benchmarks/NOTES.md).
+  # XLA's own figures where the release reports them (0 where not): its peak (`peak_memory_in_bytes`;
+  # on the H100 the sum below, on a TPU a figure of XLA:TPU's own, not documented), and every buffer
+  # the step's buffer assignment allocates, arguments included (`total_allocation_bytes`, a TPU's). On
+  # a TPU `peak_bytes` sums a temporaries' figure about twice that assignment's temporary allocation
+  # (benchmarks/NOTES.md).
   xla_peak_bytes: int = 0
   allocated_bytes: int = 0
 
@@ -898,7 +899,7 @@ def tpu_markdown(title, programs: dict[str, Program], timed=False) -> list[str]:
   """A TPU table (wall seconds of compilation always); `timed`: CPU seconds too, and their ratio.
 
   Three readings of the memory: "peak" as the H100's tables read it (arguments, outputs and the
-  temporaries' figure), XLA's peak (its heap at its fullest), and what its buffer assignment allocates.
+  temporaries' figure), XLA's own peak figure, and what its buffer assignment allocates.
   """
   base = next(iter(programs.values()))
   lines = [f"**{title}**", "",

@@ -84,16 +84,17 @@ def test_float8_is_faster_than_bfloat16_where_its_matmuls_are_large(title, budge
 
 
 # The 16-bit steps: one kernel per leaf that reads parameter, compensation, moments and gradient once
-# and writes them once, at any number of leaves. Bytes per parameter, read and written, against float32
-# Adam's 28 (parameter 8, moments 16, gradient 4): Kahan + bfloat16 state 20 (0.714x), stochastic
-# rounding 16 (0.571x); the scaler adds one read of the float32 gradients (+4: 0.857x, 0.714x); the
-# float32 master 32 (bfloat16 parameter 4, master 8, moments 16, gradient 4) and 36 with the scaler
-# (1.286x: the parameter is read, as `apply_updates` must). Peaks are the arguments alone (donated
-# state, float32 gradients): 12, 10 and 18 bytes against 16. Kernels: at most 1.2x the plain step's
-# plus 10 (and the scaler's own): per PRNG key its advance and draw, and two or three scalar kernels
-# of seeds per 64 leaves (one key for Kahan, two for stochastic rounding). No copy: the key advances
-# in counter mode, elementwise, in place (`jax.random.split`'s new key was copied into the donated one). Before the seeds reached each leaf's kernel as scalars, 48 leaves moved 1.14x float32's
-# bytes; before they were hashed 64 leaves at a time, 150 leaves launched 755 kernels.
+# and writes them once, at any number of leaves. Bytes per parameter, read and written, against
+# float32 Adam's 28 (parameter 8, moments 16, gradient 4): Kahan + bfloat16 state 20 (0.714x),
+# stochastic rounding 16 (0.571x); the scaler adds one read of the float32 gradients (+4: 0.857x,
+# 0.714x); the float32 master 32 (bfloat16 parameter 4, master 8, moments 16, gradient 4) and 36 with
+# the scaler (1.286x: the parameter is read, as `apply_updates` must). Peaks are the arguments alone
+# (donated state, float32 gradients): 12, 10 and 18 bytes against 16. Kernels: at most 1.2x the plain
+# step's plus 10 (and the scaler's own): per PRNG key its advance and draw, and two or three scalar
+# kernels of seeds per 64 leaves (one key for Kahan, two for stochastic rounding). No copy: the key
+# advances in counter mode, elementwise, in place (`jax.random.split`'s new key was copied into the
+# donated one). Before the seeds reached each leaf's kernel as scalars, 48 leaves moved 1.14x
+# float32's bytes; before they were hashed 64 leaves at a time, 150 leaves launched 755 kernels.
 SIXTEEN = {
     "kahan + bf16 state": {"hbm": 0.72, "peak": 0.76, "copies": 0},
     "SR + bf16 state": {"hbm": 0.58, "peak": 0.63, "copies": 0},

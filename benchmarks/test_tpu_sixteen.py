@@ -8,10 +8,10 @@ the traffic in VMEM too (float32 Adam: 39 bytes a parameter accessed, 28 in HBM)
 model's count: at 8, the seeds' scalar kernels add a quarter of a byte a parameter.
 
 Met: every 16-bit row's bytes (the scaler adds one read of the gradients), Kahan's peak, every
-16-bit row's peak as XLA states it (`peak_memory_in_bytes`: its heap at its fullest), and no copy
-beyond float32 Adam's. Not met (benchmarks/NOTES.md): stochastic rounding's peak (0.671x
-against 0.66) and the float32 master's bytes and peak (its master is written, then read again for
-the parameters: 1.429x against 1.22).
+16-bit row's allocation (every buffer XLA's buffer assignment allocates, arguments included:
+`total_allocation_bytes`), and no copy beyond float32 Adam's. Not met (benchmarks/NOTES.md):
+stochastic rounding's peak (0.671x against 0.66) and the float32 master's bytes and peak (its
+master is written, then read again for the parameters: 1.429x against 1.22).
 """
 
 import os
@@ -41,14 +41,15 @@ MEASURED = {
     "SR + bf16 state + scaler": {"peak": 0.687},
     "float32 master + scaler, bf16 params": {"hbm": 1.46, "peak": 1.18},
 }
-# XLA's own peak against the same targets. "peak" above adds XLA:TPU's temporaries' figure, which
-# grows with the leaves (1000 leaves: Kahan 1.367x, where XLA's peak is 0.754x): the contexts of
-# the copies that stage each leaf's operands in VMEM, 16 KB each (benchmarks/NOTES.md).
-LIVE_PEAK = {
-    "kahan + bf16 state": {"xla_peak": 0.80},
-    "SR + bf16 state": {"xla_peak": 0.66},
-    "kahan + bf16 state + scaler": {"xla_peak": 0.80},
-    "SR + bf16 state + scaler": {"xla_peak": 0.66},
+# The memory the step's buffers take, as XLA's buffer assignment allocates it, against the same
+# targets. "peak" above adds XLA:TPU's temporaries figure, about twice that assignment's temporary
+# allocation, which grows with the leaves (1000 leaves: Kahan 1.367x, allocated 1.001x): the
+# contexts of the copies that stage each leaf's operands in VMEM, 16 KB each (benchmarks/NOTES.md).
+ALLOCATED = {
+    "kahan + bf16 state": {"allocated": 0.80},
+    "SR + bf16 state": {"allocated": 0.66},
+    "kahan + bf16 state + scaler": {"allocated": 0.80},
+    "SR + bf16 state + scaler": {"allocated": 0.66},
 }
 ROWS = sorted(TARGETS.keys() | MEASURED.keys())
 
@@ -76,11 +77,11 @@ def test_sixteen_bit_steps_on_the_tpu_meet_their_targets(programs):
   assert not found, f"{'; '.join(found)} (programs {measured}, float32 Adam {base})"
 
 
-def test_sixteen_bit_steps_on_the_tpu_peak_within_their_targets_as_xla_states_it(programs):
+def test_sixteen_bit_steps_on_the_tpu_allocate_within_their_targets(programs):
   base, measured = programs
-  if not base.xla_peak_bytes:
-    pytest.skip("this jax release's memory analysis has no peak_memory_in_bytes")
-  found = failures(base, measured, LIVE_PEAK)
+  if not base.allocated_bytes:
+    pytest.skip("this jax release's memory analysis has no total_allocation_bytes")
+  found = failures(base, measured, ALLOCATED)
   assert not found, f"{'; '.join(found)} (programs {measured}, float32 Adam {base})"
 
 
