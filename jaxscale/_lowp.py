@@ -85,7 +85,7 @@ class LowPrecisionState(NamedTuple):
   """
 
   inner_state: optax.OptState  # inner's state, each stored leaf a `LowPrecisionArray`
-  key: jax.Array  # shape=(2,), dtype=uint32; a raw PRNG key, split once per step
+  key: jax.Array  # shape=(2,), dtype=uint32; a raw PRNG key, advanced once per step
 
 
 def low_precision_state(

@@ -63,7 +63,7 @@ class MasterWeightsState(NamedTuple):
   master: Any  # "float32": like params, a float32 copy of each 16-bit leaf, `optax.MaskedNode()` elsewhere
   inner_state: optax.OptState
   compensation: Any = None  # "kahan": like params, each 16-bit leaf's remainder in units of its ulp, same dtype
-  key: Any = None  # "stochastic_rounding": shape=(2,), dtype=uint32; a raw PRNG key, split once per step
+  key: Any = None  # "stochastic_rounding": shape=(2,), dtype=uint32; a raw PRNG key, advanced once per step
 
 
 
@@ -93,7 +93,7 @@ def master_weights(
     half an ulp accumulate.
   - ``"stochastic_rounding"`` (0 bytes; one 8-byte key in all): each new
     parameter is rounded up or down at random, with the probability that
-    makes its expected value exact. The key is split once per step; with
+    makes its expected value exact. The key advances once per step; with
     replicated parameters every device draws the same numbers.
 
   The updates have the parameters' dtype and land exactly on the new

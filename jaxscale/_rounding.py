@@ -13,7 +13,7 @@ bfloat16 (every stored state leaf, and bfloat16 parameters) is rounded on its
 bits by `bfloat16_grid`, the same rule with integer arithmetic, from 16
 random bits: one hash per element gives two leaves their bits (`halves`).
 
-The numbers come from a key held in each wrapper's state, split once per
+The numbers come from a key held in each wrapper's state, advanced once per
 step, and from a *stream*: each wrapper hashes its own constant and each
 leaf's index into the key, so that `master_weights` and `low_precision_state`
 given the same seed (both default to 0) still draw independent numbers, where
