@@ -712,6 +712,36 @@ def float8_table(width=4096, seq=2048, batch=4, heads=16, policies=("mixed_bfloa
   return {policy: row(policy) for policy in policies}
 
 
+def delayed_table():
+  """Float8's delayed scaling (`autocast(..., delayed=True)`) against current scaling and bfloat16: the d 4096
+  block's forward and backward, and the real models' full steps (benchmarks/models.py)."""
+  import models
+
+  width, seq, batch, heads = 4096, 2048, 4, 16
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  params = {"qkv": shape(width, 3 * width), "out": shape(width, width), "up": shape(width, 4 * width),
+            "down": shape(4 * width, width)}
+  x = jax.ShapeDtypeStruct((batch, seq, width), jnp.float32)
+  block = jaxscale.autocast(functools.partial(transformer_block, heads=heads), "mixed_float8", delayed=True)
+  loss = lambda h, p, x: jnp.mean(jnp.square(block(h, p, x).astype(jnp.float32)))
+  history = jax.eval_shape(lambda p, x: jaxscale.float8_history(block, p, x), params, x)
+
+  def block_step(history, params, x):
+    seen, grads = jax.grad(loss, argnums=(0, 1))(history, params, x)
+    return jaxscale.float8_update(history, seen), grads
+
+  blocks = float8_table(width, seq, batch, heads)
+  blocks["mixed_float8, delayed"] = lambda: (block_step, (history, params, x), (0,))
+  wide = models.GPTConfig(layers=2, width=4096, mlp=16384, heads=32, seq=2048, batch=4)
+  out = {"transformer block fwd+bwd, d 4096, seq 2048, batch 4": blocks}
+  for title, config in (("GPT-2-small-shaped step (12 x d 768, seq 1024, batch 8), AdamW", models.GPTConfig()),
+                        ("Transformer step, 2 x d 4096, mlp 16384, seq 2048, batch 4, AdamW", wide)):
+    rows = model_table(functools.partial(models.gpt_step, config=config))
+    rows["mixed_float8, delayed"] = lambda config=config: (*models.gpt_delayed_step(config), (0, 1, 2))
+    out[title] = rows
+  return out
+
+
 def mlp_table(width=1024, tokens=4096, policies=("mixed_bfloat16", "mixed_float16", "mixed_float8")):
   """A 4x GELU MLP's forward and backward under each policy: two matmuls that float8 takes, and little else."""
   params = {"up": jax.ShapeDtypeStruct((width, 4 * width), jnp.float32),
@@ -825,6 +855,8 @@ TABLES = {
                        "conv net fwd+bwd, 4 x 3x3x128, 32x32, batch 64": conv_table()},
     # Not in the default run: the three steps compile in about 100 s (benchmarks/NOTES.md).
     "models": model_tables,
+    # Not in the default run: delayed scaling's block and steps, about two minutes.
+    "delayed": delayed_table,
     # Not in the default run: the TPU program's budgets (benchmarks/test_tpu_program.py), compiled in seconds.
     "adam": lambda: {"Adam step, 32M params / 48 leaves": _bench_rows(
         bench.optimizer_builders("adam", 32_000_000, 48, ["plain", "jaxscale"]))},

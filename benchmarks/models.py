@@ -11,10 +11,12 @@ and its arguments as `jax.ShapeDtypeStruct`s (from `jax.eval_shape`: nothing is 
                                                     seq=2048, batch=4))
     step, args = resnet_step("mixed_bfloat16")                  # ResNet50, 224x224, batch 64
     step, args = gpt_sixteen_step()                             # bfloat16 parameters, Kahan, 16-bit state
+    step, args = gpt_delayed_step()                             # mixed_float8, delayed scaling
     jax.jit(step, donate_argnums=(0, 1)).trace(*args).lower().compile()
 
 `step(params, opt_state, batch)` returns the new parameters and optimizer state (and, for the
-ResNet, its new batch statistics: `step(params, opt_state, batch_stats, batch)`) and the loss.
+ResNet, its new batch statistics: `step(params, opt_state, batch_stats, batch)`; for delayed scaling,
+its new float8 history: `step(params, opt_state, history, batch)`) and the loss.
 """
 
 from __future__ import annotations
@@ -92,6 +94,23 @@ def gpt_step(policy, config: GPTConfig = GPTConfig(), tx=None):
 
   params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
   return step, (params, jax.eval_shape(tx.init, params), tokens)
+
+
+def gpt_delayed_step(config: GPTConfig = GPTConfig()):
+  """`gpt_step` under `"mixed_float8"` with delayed scaling: `(step, (params, opt_state, history, tokens))`,
+  the autocast function made with `delayed=True` and its `jaxscale.Float8History` carried by the step."""
+  model, tx = GPT(config), adamw()
+  tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
+  cast_loss = jaxscale.autocast(next_token_loss(model), "mixed_float8", delayed=True)
+
+  def step(params, opt_state, history, tokens):
+    value, (seen, grads) = jax.value_and_grad(cast_loss, argnums=(0, 1))(history, params, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jaxscale.float8_update(history, seen), value
+
+  params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+  history = jax.eval_shape(lambda p, t: jaxscale.float8_history(cast_loss, p, t), params, tokens)
+  return step, (params, jax.eval_shape(tx.init, params), history, tokens)
 
 
 def gpt_accumulation_step(policy, config: GPTConfig = GPTConfig(), microbatches: int = 4, once: bool = False):

@@ -211,3 +211,22 @@ def test_gradients_cross_eight_gpus_in_the_reduce_dtype_and_parameters_in_the_ma
     assert 0 <= reduced[REDUCED[name]] - expected < 1024, (name, program.collectives)
     gathered = {dtype for op, dtype, n in program.collectives if op == "all-gather"}
     assert gathered == (GATHERED[name] if layout == "fsdp" else set()), (name, program.collectives)
+
+
+# Delayed scaling (`autocast(..., delayed=True)`): each tensor's scale from its history, so the cast
+# needs no pass of its own and fuses into the tensor's producer; the next step's maximum is read from
+# the float8 values (one byte an element) behind an optimization barrier: without it XLA fused the
+# cast again into that reduction, which then read the float32 or bfloat16 tensor (the block's
+# estimate 0.706x, not 0.679x). Measured 2026-11-28: block 78 kernels (current scaling 83), HBM
+# 0.987x, peak 0.972x, 0.679x; GPT-2 small 1188 kernels (1258), 0.968x (0.989x). Neither reaches the
+# issue's 0.65x and 0.93x: each tensor still has its maximum's reduction, two kernels.
+def test_delayed_scaling_casts_in_one_pass_and_is_faster_than_current_scaling():
+  title = "transformer block fwd+bwd, d 4096, seq 2048, batch 4"
+  bf16, current, delayed = gpu_program.measure_table(gpu_program.TABLES["delayed"]()[title]).values()
+  check(delayed, bf16, fp8_gemms=11, kernels=31, hbm=1.0, peak=0.98, estimate=0.685)
+  assert delayed.kernels < current.kernels and delayed.hbm_bytes < current.hbm_bytes, (delayed, current)
+  title = "GPT-2-small-shaped step (12 x d 768, seq 1024, batch 8), AdamW"
+  rows = gpu_program.TABLES["delayed"]()[title]
+  bf16, delayed = gpu_program.measure_table({name: rows[name] for name in ("mixed_bfloat16",
+                                                                         "mixed_float8, delayed")}).values()
+  check(delayed, bf16, fp8_gemms=75, peak=1.0, estimate=0.97)

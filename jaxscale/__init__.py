@@ -18,7 +18,8 @@ from jaxscale._metrics import metrics
 
 # Mixed precision around the scaler.
 from jaxscale._policy import Policy, get_policy, needs_loss_scaling
-from jaxscale._autocast import autocast
+from jaxscale._autocast import autocast, float8_history
+from jaxscale._history import Float8History, float8_update
 from jaxscale._report import PrecisionReport, precision_report
 from jaxscale._compiled import CompiledReport, compiled_report
 from jaxscale._master import MasterWeightsState, master_weights
@@ -52,12 +53,15 @@ __all__ = (
     "value_and_grad",
     # Mixed precision around the scaler.
     "CompiledReport",
+    "Float8History",
     "MasterWeightsState",
     "LowPrecisionState",
     "Policy",
     "PrecisionReport",
     "autocast",
     "compiled_report",
+    "float8_history",
+    "float8_update",
     "get_policy",
     "master_weights",
     "low_precision_state",

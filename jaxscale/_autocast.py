@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from jaxscale import _float8, _interpret, _policy, _tree, _where
+from jaxscale import _float8, _history, _interpret, _policy, _tree, _where
 
 F = TypeVar("F", bound=Callable)
 
@@ -85,7 +85,9 @@ _CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 MARKER = "jaxscale_autocast"  # the name of the `jit` around a nested region
 
 
-def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weights: Any = None) -> F:
+def autocast(
+    fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weights: Any = None, delayed: bool = False
+) -> F:
   """``fun`` with each operation's precision chosen per operation, as under ``torch.autocast``.
 
   Every ``dot_general`` and ``conv_general_dilated`` in ``fun`` (inside ``jit``, ``scan``,
@@ -115,6 +117,12 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
       many times the returned function is called. The values are those of casting at each
       call, bit for bit. Copied from what is passed here: build the function in each step,
       from the step's parameters (docs/float8.md).
+    delayed: under a float8 policy, delayed scaling: the returned function takes a
+      :class:`Float8History` first, ``f(history, *args, **kwargs)``, and quantizes each tensor of
+      its float8 matmuls with a scale from the history (one pass: the cast, its absolute maximum
+      beside it) rather than from its own maximum (two); the gradient with respect to ``history``
+      holds the maxima seen, for :func:`float8_update`. Start with :func:`float8_history`
+      (docs/float8.md).
 
   Returns:
     The wrapped function.
@@ -146,6 +154,18 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
         f"of type {type(fun).__name__} as `fun`."
     )
   policy = _policy.get_policy(policy)
+  if not isinstance(delayed, (bool, np.bool_)):
+    raise TypeError(f"`autocast`'s `delayed` must be a Python bool, got {delayed!r}.")
+  if delayed and policy.matmul_dtype is None:
+    raise ValueError(
+        f"`autocast`'s `delayed=True` is delayed scaling of float8 matmuls, and the policy '{policy}' has "
+        "none: use 'mixed_float8', or leave `delayed` out."
+    )
+  if delayed and weights is not None:
+    raise ValueError(
+        "`autocast` takes `delayed=True` or `weights=`, not both: under delayed scaling a weight's cast "
+        "already reads it once (its absolute maximum taken in the same pass), so leave `weights` out."
+    )
   if not enabled:
     return fun
   given = _weight_copies(weights, policy) if weights is not None else None
@@ -154,8 +174,8 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
   # pytree (`Partial` for a method) its arrays are traced like the arguments'.
   callee = jax.tree_util.Partial(fun.__func__, fun.__self__) if inspect.ismethod(fun) else fun
 
-  def region(static, arrays, given_values):
-    treedef, statics, given_at = static
+  def region(static, arrays, given_values, history=None):
+    (treedef, statics, given_at), mode = static[:3], (static[3] if len(static) > 3 else None)
     dynamic_at = [i for i, leaf in enumerate(statics) if leaf is _DYNAMIC]
     leaves = [None if leaf is _DYNAMIC else leaf.value for leaf in statics]
     for i, x in zip(dynamic_at, arrays):
@@ -184,6 +204,8 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
 
     closed = jax.make_jaxpr(traced)(*arrays)
     token, met = _INPUTS.set(arrays), _FLOAT8_MATMULS.set([])
+    delayed_state = _delayed_state(mode, history)
+    delayed_token = _DELAYED.set(delayed_state)
     # The copies `weights` made, by the argument each stands for (its value in this program), and which were read.
     read_given = _GIVEN.set(([arrays[i] for i in given_at], list(given_values), set()))
     try:
@@ -192,12 +214,21 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
         _float8.warn_no_float8(_FLOAT8_MATMULS.get(), policy, _describe(fun))
       if given_at and not _GIVEN.get()[2]:
         _warn_weights_unread(_describe(fun))
+      if isinstance(history, _history.Float8History) and delayed_state["count"] != history.matmuls:
+        raise ValueError(
+            f"The float8 history passed to {_describe(fun)} holds {history.matmuls} float8 matmuls; called "
+            f"with these arguments, it runs {delayed_state['count']}. Build the history with "
+            "`jaxscale.float8_history` for the shapes and structure it is called with."
+        )
     finally:
+      _DELAYED.reset(delayed_token)
       _INPUTS.reset(token)
       _FLOAT8_MATMULS.reset(met)
       _GIVEN.reset(read_given)
     split = len(outs) - len(found["written"])
     out = jax.tree.unflatten(found["out_tree"], outs[:split])
+    if mode == "count":
+      history["matmuls"] = delayed_state["count"]
     return policy.cast_to_output(out), dict(zip(found["written"], outs[split:]))
 
   # One `jit` per autocast function, named as the marker: an enclosing autocast sees it and
@@ -206,8 +237,7 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
   region.__name__ = region.__qualname__ = MARKER
   jitted = jax.jit(region, static_argnums=0)
 
-  @functools.wraps(fun)
-  def wrapped(*args, **kwargs):
+  def arguments(args, kwargs):
     tree = (callee, args, kwargs)
     leaves, treedef = jax.tree.flatten(tree)
     is_array = lambda leaf: isinstance(leaf, (jax.Array, np.ndarray, np.generic))
@@ -215,15 +245,46 @@ def autocast(fun: F, policy: _policy.Policy | str, *, enabled: bool = True, weig
     arrays = [leaf for leaf in leaves if is_array(leaf)]
     _float8.warn_float8_arguments(arrays)
     given_at, given_values = _given_at(given, args, callee, statics) if given is not None else ((), [])
-    out, written = jitted((treedef, statics, given_at), arrays, given_values)
+    return tree, (treedef, statics, given_at), arrays, given_values
+
+  def write_back(tree, written):
     variables = _nnx_variables(tree)
     for i, value in written.items():
       variable = variables[i]
       old = _tree.unwrap_variable(variable)
       _set(variable, value.astype(old.dtype) if _policy.is_floating_array(old) else value)
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    tree, static, arrays, given_values = arguments(args, kwargs)
+    out, written = jitted(static, arrays, given_values)
+    write_back(tree, written)
     return out
 
-  return wrapped  # type: ignore[return-value]
+  @functools.wraps(fun)
+  def wrapped_delayed(history, *args, **kwargs):
+    if not isinstance(history, _history.Float8History):
+      raise TypeError(
+          f"{_describe(fun)} was made with `autocast(..., delayed=True)`: it takes a `jaxscale.Float8History` "
+          f"first, `f(history, *args)`, got {type(history).__name__}. Make one with "
+          "`jaxscale.float8_history(f, *args)`."
+      )
+    tree, static, arrays, given_values = arguments(args, kwargs)
+    mode = "calibrate" if _CALIBRATING.get() else "delayed"
+    out, written = jitted((*static, mode), arrays, given_values, history)
+    write_back(tree, written)
+    return out
+
+  def count(*args, **kwargs):  # how many float8 matmuls the function runs, traced without a cache
+    _, static, arrays, given_values = arguments(args, kwargs)
+    sink: dict = {}
+    jax.eval_shape(lambda arrays: region((*static, "count"), arrays, given_values, sink), arrays)
+    return sink["matmuls"]
+
+  if not delayed:
+    return wrapped  # type: ignore[return-value]
+  wrapped_delayed.__dict__[_COUNT] = count
+  return wrapped_delayed  # type: ignore[return-value]
 
 
 def _describe(fun) -> str:
@@ -269,6 +330,91 @@ _GIVEN: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxscale_autocas
 _FLOAT8_MATMULS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxscale_float8_matmuls", default=None)
 
 
+# Delayed scaling while the function is evaluated: None, or the exponents (None while calibrating) and
+# the slot of each float8 matmul, in the order they run, and how many have run.
+_DELAYED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxscale_float8_delayed", default=None)
+# Set by `float8_history` while it calibrates: the delayed function quantizes with current scaling.
+_CALIBRATING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxscale_float8_calibrating", default=False)
+_COUNT = "_jaxscale_float8_count"  # the attribute of a delayed function that counts its float8 matmuls
+
+
+def _delayed_state(mode, history) -> dict | None:
+  if mode is None:
+    return None
+  if mode == "count":
+    return {"k": None, "seen": None, "count": 0}
+  k = None if mode == "calibrate" else _history.exponents(history)
+  return {"k": k, "seen": history.seen, "count": 0}
+
+
+def _delayed_slot(eqn, lhs, rhs, policy):
+  """``(k, seen)`` for this float8 matmul under delayed scaling (`_float8.matmul`'s ``delayed``), or None."""
+  state = _DELAYED.get()
+  if state is None or _float8.wider_reason(eqn.primitive, eqn.params, lhs.shape, rhs.shape, policy.min_intensity):
+    return None
+  i = state["count"]
+  state["count"] += 1
+  if state["seen"] is None or i >= state["seen"].shape[0]:
+    return None  # counted only; a count that differs from the history's is an error after the trace
+  return (None if state["k"] is None else state["k"][i], state["seen"][i])
+
+
+def float8_history(fun: Callable, *args, length: int = 16, **kwargs) -> _history.Float8History:
+  """A `Float8History` for ``fun`` (made with ``autocast(..., delayed=True)``), calibrated on ``args``.
+
+  Runs ``fun(history, *args, **kwargs)`` and its backward pass once with current scaling (each
+  tensor's scale from its own maximum), and records every float8 tensor's absolute maximum, so that
+  the first delayed step's scales are those current scaling would choose. The backward pass is that
+  of the sum of ``fun``'s floating outputs: for a loss, its gradient.
+
+  Args:
+    fun: a function from ``autocast(f, "mixed_float8", delayed=True)``.
+    *args: its arguments after the history: the parameters and a representative batch.
+    length: how many steps the history holds; each tensor's scale comes from the largest maximum
+      among them (a tensor that grows past it saturates, which `Float8History.saturated` counts).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    The `Float8History`, one row for each float8 matmul that ``fun`` runs outside a loop body,
+    a ``checkpoint`` or a custom derivative (those keep current scaling), each tensor's maximum in
+    its newest slot.
+
+  Raises:
+    TypeError: if ``fun`` was not made with ``delayed=True``.
+    ValueError: if ``length`` is not a positive int.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxscale
+    >>> def loss(w, x):
+    ...   return jnp.sum(jnp.dot(x, w).astype(jnp.float32))
+    >>> f = jaxscale.autocast(loss, "mixed_float8,min_intensity=0", delayed=True)
+    >>> w, x = jnp.ones((32, 16)), jnp.full((64, 32), 2.0)
+    >>> history = jaxscale.float8_history(f, w, x)
+    >>> history.amax.shape  # one float8 matmul; its x, w and incoming gradient; 16 steps
+    (1, 3, 16)
+    >>> history.amax[0, :, 0].tolist()
+    [2.0, 1.0, 1.0]
+  """
+  count = getattr(fun, _COUNT, None)
+  if count is None:
+    raise TypeError(
+        f"`float8_history` takes a function made with `jaxscale.autocast(f, 'mixed_float8', delayed=True)`, "
+        f"got {_describe(fun)}."
+    )
+  empty = _history.new(jnp.zeros((count(*args, **kwargs), len(_history.TENSORS))), length)
+
+  def seen(history):
+    out, pullback = jax.vjp(lambda h: fun(h, *args, **kwargs), history)
+    ones = jax.tree.map(lambda y: jnp.ones_like(y) if _policy.is_floating_array(y) else None, out)
+    return pullback(ones)[0].seen
+
+  token = _CALIBRATING.set(True)
+  try:
+    return _history.new(jax.jit(seen)(empty), length)
+  finally:
+    _CALIBRATING.reset(token)
+
+
 def evaluate(
     jaxpr, consts: Sequence[Any], args: Sequence[Any], policy: _policy.Policy, *, keep_signature: bool = True
 ) -> list:
@@ -312,7 +458,9 @@ def matmul(eqn, ins: Sequence[Any], policy: _policy.Policy) -> list:
       met.append((eqn.primitive, eqn.params, lhs.shape, rhs.shape))
     reduce = policy.reduce_dtype if partitioned else None  # None: each gradient in its operand's dtype
     given = [_given(x) for x in ins]
-    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, policy.min_intensity, reduce, given)]
+    delayed = _delayed_slot(eqn, lhs, rhs, policy)
+    return [_float8.matmul(eqn.primitive, eqn.params, lhs, rhs, compute, inputs, policy.min_intensity, reduce, given,
+                           delayed)]
   params = dict(eqn.params, preferred_element_type=compute)
   written = [policy.reduce_dtype if given and _dtype(x) != compute else compute for x, given in zip(ins, inputs)]
   if all(dtype == compute for dtype in written) or not partitioned:
@@ -501,6 +649,18 @@ def _eqn(eqn, ins: list, policy: _policy.Policy) -> list:
   if name in _CALLS and len(programs) == 1 and eqn.params.get("name") != MARKER:
     (jaxpr, consts), = programs
     return flowing(jaxpr, consts, ins)  # inlined: its operations are the caller's
+  # A sub-program traced on its own cannot read the history's slots (values of the enclosing trace):
+  # its float8 matmuls keep current scaling.
+  token = _DELAYED.set(None)
+  try:
+    return _subprogram(eqn, ins, policy, programs, flowing)
+  finally:
+    _DELAYED.reset(token)
+
+
+def _subprogram(eqn, ins: list, policy: _policy.Policy, programs, flowing) -> list:
+  name = eqn.primitive.name
+  avals = [v.aval for v in eqn.invars]
   if name in _CUSTOM_JVP and len(programs) == 1 and any(map(_floating, avals)):
     return _custom_jvp(eqn, ins, programs[0], policy)
   if name in _CUSTOM_VJP and len(programs) == 1 and any(map(_floating, avals)):

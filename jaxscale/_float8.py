@@ -143,6 +143,48 @@ def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
   return _round(x / power_of_two(-k).astype(wide), dtype), k
 
 
+def quantize_at(x: jax.Array, dtype: Any, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(q, seen)``: ``x * 2**k`` rounded to the float8 ``dtype`` with a ``k`` chosen before (delayed
+  scaling), and what the next step's ``k`` is to be chosen from.
+
+  A finite value beyond the format's range saturates to its largest value (clipped, as Transformer
+  Engine's casts clip), so a tensor grown past its stale scale loses its outliers' size, not its
+  finiteness; inf and NaN pass as they would through `quantize`. The cast needs no pass over ``x``
+  first, so XLA writes it in the producer's kernel; ``seen`` is read from the float8 values (one
+  byte an element, not a second pass over ``x``): ``x``'s absolute maximum rounded to the format,
+  or, where the largest value was reached (the tensor at least doubled, `delayed_exponents`' margin),
+  `SATURATED_JUMP` times it, so that the next scale is lower by more than a doubling.
+  """
+  wide = jnp.promote_types(x.dtype, jnp.float32)
+  x = x.astype(wide)
+  largest = float(jnp.finfo(dtype).max)
+  y = x / power_of_two(-k).astype(wide)
+  q = _round(jnp.where(jnp.isinf(y), y, jnp.clip(y, -largest, largest)), dtype)
+  # The barrier keeps XLA from fusing the cast again into the reduction, which would read `x` again.
+  top = jnp.max(jnp.abs(lax.optimization_barrier(q).astype(jnp.float32))) if x.size else jnp.zeros((), jnp.float32)
+  top = jnp.where(top >= largest, SATURATED_JUMP * top, top)
+  return q, top * power_of_two(-k)
+
+
+#: Delayed scaling's headroom, in powers of two: a tensor's scale leaves its window's largest maximum
+#: at most half the format's largest value, so that reaching the largest value says the tensor grew,
+#: rather than that its maximum rounded up to it.
+MARGIN = 1
+#: A saturated tensor's maximum is unknown (its largest values were clipped): it is recorded as this
+#: many times the format's largest value, so that the next scale is 16 times lower, and lower again
+#: at each step it saturates.
+SATURATED_JUMP = 16.0
+
+
+def delayed_exponents(amax: jax.Array) -> jax.Array:
+  """Each tensor's ``k`` (int32 ``[n, 3]``) from its amax history ``[n, 3, length]``: the largest amax
+  of the window times ``2**MARGIN``, for the forward operands (columns 0, 1: ``float8_e4m3fn``) and
+  the gradient (2: ``float8_e5m2``). A row of zeros (a tensor never seen nonzero) gives ``k = 0``."""
+  largest = jnp.max(amax, axis=-1) * 2.0**MARGIN
+  return jnp.stack([scale_exponent(largest[:, 0], FORWARD), scale_exponent(largest[:, 1], FORWARD),
+                    scale_exponent(largest[:, 2], BACKWARD)], axis=1)
+
+
 def _round(y: jax.Array, dtype: Any) -> jax.Array:
   """``y`` cast to the float8 ``dtype``, rounded once; `nearest` first on a CPU only, where XLA rounds twice.
 
@@ -234,6 +276,7 @@ def matmul(
     min_intensity: float | None = None,
     reduce_dtype: Any = None,
     given=(None, None),
+    delayed=None,
 ) -> jax.Array:
   """``primitive`` (``dot_general`` or ``conv_general_dilated``) of ``lhs`` and ``rhs``, as a scaled float8 matmul.
 
@@ -246,7 +289,10 @@ def matmul(
   `wider_reason` keeps wider runs in ``compute_dtype`` inside a ``jit`` named after the reason,
   so that `precision_report` can say why.
   ``min_intensity``: the policy's (see `wider_reason`). ``given``: for each operand, its `quantize`
-  ``(q, k)`` computed before (`autocast`'s ``weights``), or None: quantized here.
+  ``(q, k)`` computed before (`autocast`'s ``weights``), or None: quantized here. ``delayed``: None
+  (current scaling), or ``(k, seen)`` (delayed scaling): the three tensors' scale exponents
+  (int32 ``[3]``: lhs, rhs, the incoming gradient) and a float32 ``[3]`` whose cotangent is the
+  three tensors' absolute maxima this call saw.
   """
   reason = wider_reason(primitive, params, lhs.shape, rhs.shape, min_intensity)
   wide = lambda reason: lambda lhs, rhs: _marked(
@@ -257,7 +303,7 @@ def matmul(
   scaled = _scaled(primitive, params, compute_dtype, lhs.dtype, rhs.dtype, inputs, reduce_dtype)
   # Chosen where the program is lowered (the machine that traces may not be the one that runs it).
   return lax.platform_dependent(
-      lhs, rhs, tuple(given), tpu=lambda lhs, rhs, _: wide("tpu")(lhs, rhs), default=scaled)
+      lhs, rhs, tuple(given), delayed, tpu=lambda lhs, rhs, *_: wide("tpu")(lhs, rhs), default=scaled)
 
 
 def warn_float8_arguments(arrays) -> None:
@@ -344,9 +390,9 @@ def _marked(fun, reason: str):
 def _scaled(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs=(True, True), reduce_dtype=None):
   """The scaled float8 product of two operands, with its reverse-mode rule (``inputs``, ``reduce_dtype``: `matmul`);
   it takes ``given`` too, each operand's ``(q, k)`` or None (`matmul`)."""
-  return lambda lhs, rhs, given=(None, None): _scaled_for(
+  return lambda lhs, rhs, given=(None, None), delayed=None: _scaled_for(
       primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, reduce_dtype, (lhs.shape, rhs.shape)
-  )(lhs, rhs, tuple(given))
+  )(lhs, rhs, tuple(given), delayed)
 
 
 def _scaled_for(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, reduce_dtype, shapes):
@@ -365,37 +411,59 @@ def _scaled_for(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, 
     (db,) = jax.linear_transpose(lambda b: product(a, b, jnp.bfloat16), b)(g)
     return da, db
 
-  def operand(x, pads, given):
-    """The operand's float8 values and scale, padded: quantized here, or as `quantize` gave them before
-    (the same values: the zeros of the padding change no absolute maximum)."""
-    if given is None:
-      return quantize(_pad(x, pads), FORWARD)
-    q, k = given
-    return _pad(q, pads), k
+  def operand(x, pads, given, k, report):
+    """The operand's float8 values, scale and absolute maximum, padded: quantized here (with the
+    delayed ``k`` where one is given), or as `quantize` gave them before (the same values: the zeros
+    of the padding change no absolute maximum; the maximum is then not taken again, 0)."""
+    if given is not None:
+      q, k = given
+      return _pad(q, pads), k, jnp.zeros((), jnp.float32)
+    return quantized(x, pads, FORWARD, k, report)
 
-  def forward(lhs, rhs, given):
+  def quantized(x, pads, dtype, k, report=True):
+    x = _pad(x, pads)
+    if k is not None:
+      q, amax = quantize_at(x, dtype, k)
+      return q, k, amax
+    q, k = quantize(x, dtype)  # current scaling; while calibrating, the absolute maximum it took
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return q, k, (jnp.max(jnp.abs(wide)).astype(jnp.float32) if x.size else jnp.zeros(())) if report else None
+
+  def forward(lhs, rhs, given, delayed):
     pads = _gemm_padding(params, lhs.shape, rhs.shape) if primitive.name == "dot_general" else ((0,) * lhs.ndim,) * 3
-    (qa, ka), (qb, kb) = operand(lhs, pads[0], given[0]), operand(rhs, pads[1], given[1])
+    # `delayed`'s exponents are None while a history is calibrated: current scaling, maxima reported.
+    ks = (None, None) if delayed is None or delayed[0] is None else (delayed[0][0], delayed[0][1])
+    report = delayed is not None
+    (qa, ka, amax_a), (qb, kb, amax_b) = (operand(lhs, pads[0], given[0], ks[0], report),
+                                          operand(rhs, pads[1], given[1], ks[1], report))
     if primitive.name == "dot_general":
       y = _unpad(_unscaled_product(product, (qa, qb), (ka, kb), compute_dtype), pads[2])
     else:
       y = _unscaled(lambda dtype: product(qa, qb, dtype), ka + kb, compute_dtype)
-    return y, (qa, ka, qb, kb, given)
+    return y, (qa, ka, qb, kb, given, delayed, (amax_a, amax_b))
 
   def backward(residuals, g):
-    qa, ka, qb, kb, given = residuals
+    qa, ka, qb, kb, given, delayed, forward_amax = residuals
+
+    def incoming(g, pads):  # the incoming gradient's float8 values, scale and absolute maximum
+      return quantized(g, pads, BACKWARD, None if delayed is None or delayed[0] is None else delayed[0][2],
+                       report=delayed is not None)
+
     if primitive.name == "dot_general":
       lhs_pads, rhs_pads, out_pads = _gemm_padding(params, lhs_shape, rhs_shape)
-      qg, kg = quantize(_pad(g, out_pads), BACKWARD)
+      qg, kg, amax_g = incoming(g, out_pads)
       da = _unpad(_dot_cotangent(qg, qb, params, qa.ndim, (kg, kb), written[0], lhs=True), lhs_pads)
       db = _unpad(_dot_cotangent(qg, qa, params, qb.ndim, (ka, kg), written[1], lhs=False), rhs_pads)
     else:
-      qg, kg = quantize(g, BACKWARD)
+      qg, kg, amax_g = incoming(g, (0,) * g.ndim)
       da, db = _marked(conv_cotangents, "conv_backward")(qg, qa, qb)
       da, db = _unscaled(da.astype, kg + kb, written[0]), _unscaled(db.astype, kg + ka, written[1])
-    return da.astype(lhs_dtype), db.astype(rhs_dtype), jax.tree.map(_no_cotangent, given)
+    # Delayed scaling: the absolute maxima seen leave as the cotangent of the slot `delayed` gave.
+    seen = None if delayed is None else (jax.tree.map(_no_cotangent, delayed[0]),
+                                         jnp.stack([*forward_amax, amax_g]))
+    return da.astype(lhs_dtype), db.astype(rhs_dtype), jax.tree.map(_no_cotangent, given), seen
 
-  scaled = jax.custom_vjp(lambda lhs, rhs, given: forward(lhs, rhs, given)[0])
+  scaled = jax.custom_vjp(lambda lhs, rhs, given, delayed: forward(lhs, rhs, given, delayed)[0])
   scaled.defvjp(forward, _first_order_only(backward))
   return scaled
 

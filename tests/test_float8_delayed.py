@@ -1,0 +1,265 @@
+"""Delayed scaling (`autocast(..., delayed=True)`, `float8_history`, `float8_update`) against independent
+references: each tensor's scale from a plain-Python model of the rule over its history, its float8
+values from ml_dtypes' rounding of exact float64 values, the products in float64; the history's
+update against a plain-Python model of the window; the misuses a user meets, each an error that says
+what to do."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jaxscale
+
+pytestmark = pytest.mark.jaxpr
+
+E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
+POLICY = "mixed_float8,min_intensity=0"  # the models here are small: every matmul in float8
+# The float32 sum of a K-term dot of exact float8 products (Higham 3.1, unit roundoff 2**-24 on a CPU),
+# then one rounding to bfloat16 (half an ulp: 2**-8 relative).
+F32_UNIT, BF16_UNIT = 2.0**-24, 2.0**-8
+
+
+def largest(dtype) -> float:
+  return float(ml_dtypes.finfo(dtype).max)
+
+
+def model_exponent(window, dtype) -> int:
+  """The rule in plain Python: the largest k with 2 * max(window) * 2**k <= the format's largest value
+  (one power of two of headroom), 0 for a window of zeros, within [-126, 126]."""
+  amax = 2.0 * max(float(v) for v in window)
+  if not (math.isfinite(amax) and amax > 0):
+    return 0
+  k = 0
+  while math.ldexp(amax, k) > largest(dtype):
+    k -= 1
+  while math.ldexp(amax, k + 1) <= largest(dtype):
+    k += 1
+  return max(-126, min(126, k))
+
+
+def model_quantize(x, k, dtype):
+  """x * 2**k clipped to the format's range and rounded once by ml_dtypes; and the maximum the step
+  records: max |q| / 2**k, or 16 times the largest value's where it was reached."""
+  y = np.clip(np.ldexp(np.asarray(x, np.float64), k), -largest(dtype), largest(dtype))
+  q = y.astype(dtype)
+  top = float(np.max(np.abs(q.astype(np.float64))))
+  return q, math.ldexp(16 * top if top >= largest(dtype) else top, -k)
+
+
+def matmul_loss(w, x, c):
+  return jnp.sum(jnp.dot(x, w).astype(jnp.float32) * c)
+
+
+def problem(seed=0, shape=(32, 48, 16)):
+  m, k, n = shape
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal((k, n)).astype(np.float32) * 0.05
+  x = rng.standard_normal((m, k)).astype(np.float32) * 3.0
+  c = rng.standard_normal((m, n)).astype(np.float32) * 1e-3
+  return w, x, c
+
+
+def history_of(rows, length=4):
+  """A history whose window holds `rows` ([matmuls, 3] maxima) in its newest slot, zeros behind."""
+  rows = jnp.asarray(rows, jnp.float32)
+  return jaxscale.Float8History(jnp.zeros((*rows.shape, length)).at[..., 0].set(rows), jnp.zeros_like(rows),
+                                jnp.zeros(()))
+
+
+# --- the delayed step against the model ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("grown", [1.0, 8.0], ids=["in-range", "grown-past-its-scale"])
+def test_a_delayed_matmul_is_the_models_product_and_reports_the_models_maxima(grown):
+  w, x, c = problem()
+  # The history saw x and w as they are (or 8 times smaller: they have since grown and saturate).
+  hist_x, hist_w, hist_g = np.abs(x).max() / grown, np.abs(w).max() / grown, 1e-3
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  history = history_of([[hist_x, hist_w, hist_g]])
+  value = f(history, w, x, c)
+  seen, grad_w = jax.grad(f, argnums=(0, 1))(history, w, x, c)
+
+  kx, kw, kg = model_exponent([hist_x], E4M3), model_exponent([hist_w], E4M3), model_exponent([hist_g], E5M2)
+  qx, seen_x = model_quantize(x, kx, E4M3)
+  qw, seen_w = model_quantize(w, kw, E4M3)
+  exact = np.ldexp(qx.astype(np.float64) @ qw.astype(np.float64), -(kx + kw))
+  y = np.asarray(jnp.dot(jnp.asarray(x), jnp.asarray(w)).astype(jnp.bfloat16))  # only for its shape
+  # The product, rounded to bfloat16, then summed with c in float32 by the loss.
+  terms = np.ldexp(np.abs(qx.astype(np.float64)) @ np.abs(qw.astype(np.float64)), -(kx + kw))
+  bound_y = x.shape[1] * F32_UNIT * terms + BF16_UNIT * np.abs(exact)
+  assert y.shape == exact.shape
+  reference_value = float(np.sum(exact * c))
+  assert abs(float(value) - reference_value) <= float(np.sum(bound_y * np.abs(c))) * 1.01 + 1e-6 * abs(
+      reference_value), (value, reference_value)
+
+  # The backward: dW = x^T g, with g (c in bfloat16, the product's dtype) quantized with its own delayed scale.
+  g = np.asarray(jnp.asarray(c).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+  qg, seen_g = model_quantize(g, kg, E5M2)
+  exact_dw = np.ldexp(qx.astype(np.float64).T @ qg.astype(np.float64), -(kx + kg))
+  terms_dw = np.ldexp(np.abs(qx.astype(np.float64)).T @ np.abs(qg.astype(np.float64)), -(kx + kg))
+  np.testing.assert_array_less(np.abs(np.asarray(grad_w, np.float64) - exact_dw),
+                               x.shape[0] * F32_UNIT * terms_dw * 1.01 + 1e-30)
+  # The maxima seen leave as the gradient of the history's slot, exactly (scaled by powers of two).
+  np.testing.assert_array_equal(np.asarray(seen.seen), np.float32([[seen_x, seen_w, seen_g]]))
+  if grown > 1:
+    assert seen_x == math.ldexp(16 * largest(E4M3), -kx)  # saturated: recorded 16 times the range
+    assert float(jaxscale.float8_update(history, seen).saturated) == 2  # x and w, not the gradient
+
+
+def test_calibration_records_each_tensors_own_maximum():
+  w, x, c = problem(1)
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  history = jaxscale.float8_history(f, w, x, c, length=3)
+  assert history.amax.shape == (1, 3, 3) and history.seen.shape == (1, 3)
+  g = np.asarray(jnp.asarray(c).astype(jnp.bfloat16).astype(jnp.float32))  # d loss / d product, in bfloat16
+  np.testing.assert_array_equal(np.asarray(history.amax[0, :, 0]),
+                                np.float32([np.abs(x).max(), np.abs(w).max(), np.abs(g).max()]))
+  np.testing.assert_array_equal(np.asarray(history.amax[..., 1:]), 0)
+  assert float(history.saturated) == 0
+
+
+def test_update_is_the_models_window():
+  rng = np.random.default_rng(2)
+  window = rng.uniform(0.1, 10, (2, 3, 4)).astype(np.float32)
+  history = jaxscale.Float8History(jnp.asarray(window), jnp.zeros((2, 3)), jnp.zeros(()))
+  seen_values = rng.uniform(0.1, 10, (2, 3)).astype(np.float32)
+  seen_values[1, 2] = np.nan  # a step whose gradient held a NaN: the row keeps its largest
+  seen_values[0, 1] = np.inf
+  new = jaxscale.float8_update(history, jaxscale.Float8History(jnp.zeros_like(window), jnp.asarray(seen_values),
+                                                               jnp.zeros(())))
+  expected = np.empty_like(window)
+  for i in range(2):
+    for j in range(3):
+      newest = seen_values[i, j] if np.isfinite(seen_values[i, j]) else window[i, j].max()
+      expected[i, j] = [newest, *window[i, j, :-1]]  # newest first, the oldest forgotten
+  np.testing.assert_array_equal(np.asarray(new.amax), expected)
+  np.testing.assert_array_equal(np.asarray(new.seen), 0)
+  # Saturated: the model's exponent of the newest maximum below the one the window gave.
+  dtypes = (E4M3, E4M3, E5M2)
+  saturated = sum(model_exponent([expected[i, j, 0]], dtypes[j]) < model_exponent(window[i, j], dtypes[j])
+                  for i in range(2) for j in range(3))
+  assert float(new.saturated) == saturated
+
+
+def test_a_training_loop_with_delayed_scaling_follows_current_scaling():
+  """Adam on a least-squares problem, 60 steps: the delayed loop's loss stays within float8's error
+  of the current-scaling loop's (both quantize the same tensors; only the scales' choice differs,
+  by at most the margin's power of two while the tensors change slowly)."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+  target = x @ jnp.asarray(rng.standard_normal((32, 16)) * 0.3, jnp.float32)
+
+  def loss(w, x):
+    return jnp.mean(jnp.square(jnp.dot(x, w).astype(jnp.float32) - target))
+
+  tx = optax.adam(3e-2)
+  current = jaxscale.autocast(loss, POLICY)
+  delayed = jaxscale.autocast(loss, POLICY, delayed=True)
+  w0 = jnp.zeros((32, 16))
+  history = jaxscale.float8_history(delayed, w0 + 0.01, x)
+
+  @jax.jit
+  def step(w, opt, history):
+    value, (seen, grads) = jax.value_and_grad(delayed, argnums=(0, 1))(history, w, x)
+    updates, opt = tx.update(grads, opt, w)
+    return optax.apply_updates(w, updates), opt, jaxscale.float8_update(history, seen), value
+
+  @jax.jit
+  def reference_step(w, opt):
+    value, grads = jax.value_and_grad(current)(w, x)
+    updates, opt = tx.update(grads, opt, w)
+    return optax.apply_updates(w, updates), opt, value
+
+  w, opt, w_ref, opt_ref = w0, tx.init(w0), w0, tx.init(w0)
+  for _ in range(60):
+    w, opt, history, value = step(w, opt, history)
+    w_ref, opt_ref, value_ref = reference_step(w_ref, opt_ref)
+  initial = float(loss(w0, x))
+  # Both fall by more than 10x; float8's relative error (e4m3: 2**-4 a value) bounds their difference.
+  assert float(value) < initial / 10 and float(value_ref) < initial / 10
+  assert abs(float(value) - float(value_ref)) <= 0.25 * float(value_ref) + 1e-3 * initial
+  assert float(history.saturated) == 0
+
+
+def test_matmuls_in_a_loop_body_keep_current_scaling_and_are_not_counted():
+  w, x, c = problem(4)
+
+  def looped(w, x, c):
+    def body(carry, _):
+      return carry + jnp.dot(x, w).astype(jnp.float32), None
+    total, _ = jax.lax.scan(body, jnp.zeros((x.shape[0], w.shape[1])), None, length=2)
+    return jnp.sum(total * c) + matmul_loss(w, x, c)
+
+  f = jaxscale.autocast(looped, POLICY, delayed=True)
+  history = jaxscale.float8_history(f, w, x, c)
+  assert history.matmuls == 1  # the one outside the loop
+  report = jaxscale.precision_report(f, history, w, x, c)
+  assert set(report.matmul_flops) == {"float8_e4m3fn"}
+
+
+def test_the_history_is_a_pytree_of_arrays_that_checkpoints():
+  w, x, c = problem(5)
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  history = jaxscale.float8_history(f, w, x, c)
+  leaves, treedef = jax.tree.flatten(history)
+  assert [leaf.dtype for leaf in leaves] == [jnp.float32] * 3
+  restored = jax.tree.unflatten(treedef, [np.asarray(leaf) for leaf in leaves])
+  assert float(f(restored, w, x, c)) == float(f(history, w, x, c))
+
+
+# --- misuse ----------------------------------------------------------------------------------------
+
+
+def test_a_delayed_function_called_without_its_history_says_how_to_make_one():
+  w, x, c = problem()
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  with pytest.raises(TypeError, match=r"takes a `jaxscale.Float8History` first.*float8_history"):
+    f(w, x, c)
+
+
+def test_a_history_of_another_function_is_refused_with_both_counts():
+  w, x, c = problem()
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  with pytest.raises(ValueError, match=r"holds 2 float8 matmuls; called with these arguments, it runs 1"):
+    f(history_of(np.ones((2, 3))), w, x, c)
+
+
+def test_delayed_needs_a_float8_policy_and_a_bool():
+  with pytest.raises(ValueError, match="has none: use 'mixed_float8'"):
+    jaxscale.autocast(matmul_loss, "mixed_bfloat16", delayed=True)
+  with pytest.raises(TypeError, match="`delayed` must be a Python bool"):
+    jaxscale.autocast(matmul_loss, POLICY, delayed="yes")
+
+
+def test_delayed_and_weights_are_refused_together():
+  @jax.jit
+  def step(w):
+    return jaxscale.autocast(matmul_loss, POLICY, delayed=True, weights=w)
+
+  with pytest.raises(ValueError, match="`delayed=True` or `weights=`, not both"):
+    step(jnp.ones((4, 4)))
+
+
+def test_float8_history_takes_a_delayed_function_and_a_positive_length():
+  w, x, c = problem()
+  with pytest.raises(TypeError, match="made with `jaxscale.autocast"):
+    jaxscale.float8_history(jaxscale.autocast(matmul_loss, POLICY), w, x, c)
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  with pytest.raises(ValueError, match="at least 1; got 0"):
+    jaxscale.float8_history(f, w, x, c, length=0)
+
+
+def test_float8_update_refuses_what_is_not_the_historys_gradient():
+  w, x, c = problem()
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  history = jaxscale.float8_history(f, w, x, c)
+  _, grads = jax.grad(f, argnums=(0, 1))(history, w, x, c)
+  with pytest.raises(TypeError, match="`seen` must be a `jaxscale.Float8History`.*argnums"):
+    jaxscale.float8_update(history, grads)  # the parameters' gradient, not the history's
+  with pytest.raises(ValueError, match="maxima for 2 float8 matmuls and a history of 1"):
+    jaxscale.float8_update(history, history_of(np.ones((2, 3))))
