@@ -9,6 +9,9 @@ whether the mean lies inside float32's seed spread (min..max over the seeds). Ro
                                             `flax.linen.Fp8DirectDotGeneralOp` (delayed scaling,
                                             amax history 1024), bfloat16 compute, convolutions in
                                             bfloat16 (fp8_ops has no convolution)
+    mixed_float8, delayed (digits only)     the same run with `autocast(..., delayed=True)` and its
+                                            `Float8History`, in a loop of this script's own (the
+                                            example's data, batches, Adam and held-out set)
     --ablate: mixed_float8, every matmul    the "small" rule switched off (this script patches
                                             `jaxscale._float8._SMALL` to 0): measures the rule
     --logits-wider (lm only)                mixed_float8 with the LM head (the one matmul with a
@@ -95,6 +98,50 @@ def flax_fp8_cnn():
     digits.CNN = original
 
 
+def digits_delayed(seed: int, steps: int = 600, batch: int = 64, lr: float = 1e-3) -> float:
+  """examples/digits.py's run under FLOAT8 with delayed scaling (`autocast(..., delayed=True)`): the same
+  model, data, batches, Adam and held-out set, the `Float8History` carried by the step; held-out loss."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from sklearn.datasets import load_digits
+
+  import digits
+  import jaxscale
+
+  data = load_digits()
+  images = (data.images / 16.0).astype(np.float32)
+  order = np.random.default_rng(12345).permutation(len(images))
+  test, train_idx = order[:360], order[360:]
+  test_images, test_labels = jnp.asarray(images[test]), jnp.asarray(data.target[test])
+  model = digits.CNN(dtype=None)
+  params = model.init(jax.random.key(seed), test_images[:1])
+
+  def loss(params, images, labels):
+    logits = model.apply(params, images).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  delayed = jaxscale.autocast(loss, FLOAT8, delayed=True)
+  tx = optax.adam(lr, eps=1e-8)
+  rng = np.random.default_rng(seed)
+  batches = [rng.choice(train_idx, batch, replace=False) for _ in range(steps)]
+  history = jaxscale.float8_history(delayed, params, jnp.asarray(images[batches[0]]),
+                                    jnp.asarray(data.target[batches[0]]))
+
+  @jax.jit
+  def step(params, opt_state, history, images, labels):
+    (seen, grads) = jax.grad(delayed, argnums=(0, 1))(history, params, images, labels)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jaxscale.float8_update(history, seen)
+
+  opt_state, saturated = tx.init(params), 0.0
+  for idx in batches:
+    params, opt_state, history = step(params, opt_state, history, images[idx], data.target[idx])
+    saturated += float(history.saturated)
+  print(f"  delayed scaling, seed {seed}: {saturated:g} tensors saturated over {steps} steps", flush=True)
+  return float(jaxscale.autocast(loss, FLOAT8)(params, test_images, test_labels))  # as the example evaluates
+
+
 def run(example: str, seed: int, extra: list[str], ablate: bool, logits_wider: bool) -> dict[str, float]:
   """Held-out loss of each row for one seed."""
   module = __import__(example)
@@ -107,6 +154,7 @@ def run(example: str, seed: int, extra: list[str], ablate: bool, logits_wider: b
     with flax_fp8_cnn():
       (result,) = module.main([*common, "--runs", "0"])
     losses["flax fp8_ops (Dense), bfloat16 convs"] = result.eval_metrics[-1]["loss"]
+    losses["mixed_float8, delayed scaling"] = digits_delayed(seed)
   if ablate:
     with every_matmul_in_float8():
       (result,) = module.main([*common, f"--precision={FLOAT8}"])
