@@ -267,7 +267,7 @@ def autocast(
       raise TypeError(
           f"{_describe(fun)} was made with `autocast(..., delayed=True)`: it takes a `jaxscale.Float8History` "
           f"first, `f(history, *args)`, got {type(history).__name__}. Make one with "
-          "`jaxscale.float8_history(f, *args)`."
+          f"`jaxscale.float8_history(f, *args)` ({_history.RESTORE_HINT})."
       )
     tree, static, arrays, given_values = arguments(args, kwargs)
     mode = "calibrate" if _CALIBRATING.get() else "delayed"
@@ -284,7 +284,22 @@ def autocast(
   if not delayed:
     return wrapped  # type: ignore[return-value]
   wrapped_delayed.__dict__[_COUNT] = count
+  # Its signature is `fun`'s with the history in front (not `fun`'s alone, which `functools.wraps`
+  # would have `inspect` report), so that `jax.jit`'s argument names and NNX's transforms read it right.
+  wrapped_delayed.__signature__ = _with_history(fun)
   return wrapped_delayed  # type: ignore[return-value]
+
+
+def _with_history(fun) -> inspect.Signature | None:
+  """``fun``'s signature with a ``history`` parameter in front (None where it has none to read)."""
+  try:
+    signature = inspect.signature(fun)
+  except (TypeError, ValueError):
+    return None
+  parameters = list(signature.parameters.values())
+  kind = (inspect.Parameter.POSITIONAL_ONLY if parameters and parameters[0].kind is inspect.Parameter.POSITIONAL_ONLY
+          else inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  return signature.replace(parameters=[inspect.Parameter("history", kind), *parameters])
 
 
 def _describe(fun) -> str:
@@ -359,19 +374,22 @@ def _delayed_slot(eqn, lhs, rhs, policy):
   return (None if state["k"] is None else state["k"][i], state["seen"][i])
 
 
-def float8_history(fun: Callable, *args, length: int = 16, **kwargs) -> _history.Float8History:
+def float8_history(fun: Callable, *args, length: int = 16, has_aux: bool = False, **kwargs) -> _history.Float8History:
   """A `Float8History` for ``fun`` (made with ``autocast(..., delayed=True)``), calibrated on ``args``.
 
   Runs ``fun(history, *args, **kwargs)`` and its backward pass once with current scaling (each
   tensor's scale from its own maximum), and records every float8 tensor's absolute maximum, so that
   the first delayed step's scales are those current scaling would choose. The backward pass is that
-  of the sum of ``fun``'s floating outputs: for a loss, its gradient.
+  of the sum of ``fun``'s floating outputs (with ``has_aux``, of the first alone): for a loss, its
+  gradient.
 
   Args:
     fun: a function from ``autocast(f, "mixed_float8", delayed=True)``.
     *args: its arguments after the history: the parameters and a representative batch.
     length: how many steps the history holds; each tensor's scale comes from the largest maximum
       among them (a tensor that grows past it saturates, which `Float8History.saturated` counts).
+    has_aux: whether ``fun`` returns ``(loss, aux)``, as in ``jax.grad``: the gradients are then
+      those of the loss alone.
     **kwargs: its keyword arguments.
 
   Returns:
@@ -404,8 +422,10 @@ def float8_history(fun: Callable, *args, length: int = 16, **kwargs) -> _history
   empty = _history.new(jnp.zeros((count(*args, **kwargs), len(_history.TENSORS))), length)
 
   def seen(history):
-    out, pullback = jax.vjp(lambda h: fun(h, *args, **kwargs), history)
-    ones = jax.tree.map(lambda y: jnp.ones_like(y) if _policy.is_floating_array(y) else None, out)
+    loss = lambda h: fun(h, *args, **kwargs)[0] if has_aux else fun(h, *args, **kwargs)
+    out, pullback = jax.vjp(loss, history)
+    ones = jax.tree.map(
+        lambda y: jnp.ones_like(y) if _policy.is_floating_array(y) else np.zeros(np.shape(y), jax.dtypes.float0), out)
     return pullback(ones)[0].seen
 
   token = _CALIBRATING.set(True)

@@ -53,7 +53,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+from jax import custom_derivatives, lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -159,7 +159,8 @@ def quantize_at(x: jax.Array, dtype: Any, k: jax.Array) -> tuple[jax.Array, jax.
   x = x.astype(wide)
   largest = float(jnp.finfo(dtype).max)
   y = x / power_of_two(-k).astype(wide)
-  q = _round(jnp.where(jnp.isinf(y), y, jnp.clip(y, -largest, largest)), dtype)
+  # Decided on `x`: a finite value whose scaled copy overflows float32 saturates too.
+  q = _round(jnp.where(jnp.isinf(x), y, jnp.clip(y, -largest, largest)), dtype)
   # The barrier keeps XLA from fusing the cast again into the reduction, which would read `x` again.
   top = jnp.max(jnp.abs(lax.optimization_barrier(q).astype(jnp.float32))) if x.size else jnp.zeros((), jnp.float32)
   top = jnp.where(top >= largest, SATURATED_JUMP * top, top)
@@ -465,7 +466,35 @@ def _scaled_for(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, 
 
   scaled = jax.custom_vjp(lambda lhs, rhs, given, delayed: forward(lhs, rhs, given, delayed)[0])
   scaled.defvjp(forward, _first_order_only(backward))
-  return scaled
+  # Under delayed scaling, the forward pass is told which inputs are differentiated: a history that is
+  # not loses the maxima this step sees, which is said at once.
+  tracked = jax.custom_vjp(lambda lhs, rhs, given, delayed: forward(lhs, rhs, given, delayed)[0])
+
+  def tracked_forward(*primals):
+    lhs, rhs, given, delayed = jax.tree.map(
+        lambda p: p.value, primals, is_leaf=lambda p: isinstance(p, custom_derivatives.CustomVJPPrimal))
+    if not primals[3][1].perturbed:
+      warn_history_not_differentiated()
+    return forward(lhs, rhs, given, delayed)
+
+  def tracked_backward(residuals, g):
+    if isinstance(g, custom_derivatives.SymbolicZero):
+      g = jnp.zeros(g.shape, g.dtype)
+    return backward(residuals, g)
+
+  tracked.defvjp(tracked_forward, _first_order_only(tracked_backward), symbolic_zeros=True)
+  return lambda lhs, rhs, given, delayed: (scaled if delayed is None else tracked)(lhs, rhs, given, delayed)
+
+
+def warn_history_not_differentiated() -> None:
+  """The trace-time warning for a delayed-scaling function differentiated without its history."""
+  warnings.warn(
+      "A function made with `jaxscale.autocast(..., delayed=True)` is differentiated, but not with respect "
+      "to its `Float8History`: the maxima this step sees are lost, and the scales go stale as the tensors "
+      "change. Differentiate both, `jax.value_and_grad(f, argnums=(0, 1))(history, params, ...)`, and pass "
+      "the history's gradient to `jaxscale.float8_update`.",
+      stacklevel=_where.user_stacklevel(),
+  )
 
 
 def _no_cotangent(x: jax.Array):

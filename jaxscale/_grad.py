@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxscale import _interpret, _scaler
+from jaxscale import _history, _interpret, _scaler
 
 
 def value_and_grad(
@@ -74,6 +74,7 @@ def value_and_grad_with(grad, fun, argnums, has_aux, axis_name):
     )
     _scaler.warn_if_constant(state, (args, kwargs), "value_and_grad")
     _refuse_scaling_in_trace(fun, args, kwargs)
+    _history.refuse_loss_scale(args, "`jaxscale.value_and_grad`")
     called = python_of(fun)
 
     def scaled_fun(*args, **kwargs):

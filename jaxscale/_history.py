@@ -17,8 +17,8 @@ float8 matmul reads (Flax's float8 layers carry theirs the same way).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+import operator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +29,7 @@ from jaxscale import _float8
 TENSORS = ("lhs", "rhs", "gradient")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Float8History:
+class Float8History(NamedTuple):
   """What delayed scaling knows: the absolute maxima of each float8 matmul's tensors in recent steps.
 
   Attributes:
@@ -61,6 +59,10 @@ class Float8History:
     return self.amax.shape[0]
 
 
+#: How the history is restored from a checkpoint that kept its fields by name (a dict).
+RESTORE_HINT = "a dict restored from a checkpoint becomes one again with `jaxscale.Float8History(**restored)`"
+
+
 def exponents(history: Float8History) -> jax.Array:
   """Each tensor's scale exponent (int32 ``[matmuls, 3]``) from its history."""
   return _float8.delayed_exponents(history.amax)
@@ -68,8 +70,13 @@ def exponents(history: Float8History) -> jax.Array:
 
 def new(seen: jax.Array, length: int) -> Float8History:
   """A history of ``length`` steps whose newest holds ``seen`` (``[matmuls, 3]``): a calibration."""
-  if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-    raise ValueError(f"A float8 history's `length` is a number of steps, at least 1; got {length!r}.")
+  try:
+    steps = operator.index(length) if not isinstance(length, bool) else 0
+  except TypeError:
+    steps = 0
+  if steps < 1:
+    raise ValueError(f"A float8 history's `length` is a number of steps, an int of at least 1; got {length!r}.")
+  length = steps
   seen = jnp.asarray(seen, jnp.float32)
   amax = jnp.zeros((*seen.shape, length), jnp.float32).at[..., 0].set(seen)
   return Float8History(amax, jnp.zeros_like(seen), jnp.zeros((), jnp.float32))
@@ -84,16 +91,19 @@ def float8_update(history: Float8History, seen: Any) -> Float8History:
       ``seen`` holds the maxima of this call), or, summed over microbatches by hand, their sum
       (at least the largest of them: the scales stay safe, by up to log2 of the count too small).
 
-  A maximum that is not finite (a step whose gradients hold inf or NaN, which a loss scaler
-  skips) is not recorded: the tensor's row keeps its largest. ``saturated`` counts the tensors
-  whose maximum this step passed what their scale held.
+  A maximum that is not finite (a step whose gradients hold inf or NaN) is not recorded: the
+  tensor's row keeps its largest. ``saturated`` counts the tensors whose maximum this step passed
+  what their scale held; it is NaN where the two arguments cannot be a history and its gradient
+  (``history.seen`` not zeros, as after an optimizer moved it, or ``seen.amax`` not zeros, as when
+  they are swapped or the history is passed twice): eagerly, that is a `ValueError`.
 
   Returns:
     The `Float8History` for the next step.
 
   Raises:
     TypeError: if either is not a `Float8History`.
-    ValueError: if their shapes differ (a history built for another function or other shapes).
+    ValueError: if their shapes differ (a history built for another function or other shapes), or,
+      called eagerly, if they cannot be a history and its gradient (above).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxscale
@@ -116,12 +126,23 @@ def float8_update(history: Float8History, seen: Any) -> Float8History:
       raise TypeError(
           f"`float8_update`'s `{name}` must be a `jaxscale.Float8History` (`seen`: the gradient with respect "
           f"to the history, e.g. `jax.grad(f, argnums=(0, 1))(history, params, batch)[0]`); got "
-          f"{type(value).__name__}."
+          f"{type(value).__name__} ({RESTORE_HINT})."
       )
   if seen.seen.shape != history.seen.shape:
     raise ValueError(
         f"`float8_update` got maxima for {seen.seen.shape[0]} float8 matmuls and a history of "
         f"{history.matmuls}: pass the gradient with respect to this history, of the function it was built for."
+    )
+  # A history's `seen` is zeros (nothing differentiates it but its own slot's gradient) and a
+  # gradient's `amax` is zeros (the matmuls read the window, not differentiably).
+  misused = jnp.any(history.seen != 0) | jnp.any(seen.amax != 0)
+  if not isinstance(misused, jax.core.Tracer) and bool(misused):
+    raise ValueError(
+        "`float8_update(history, seen)` got arguments that cannot be a history and its gradient: "
+        + ("the history's `seen` is not zeros (was the history among the parameters an optimizer updates? "
+           "keep it apart, and update it with `float8_update` alone)" if bool(jnp.any(history.seen != 0)) else
+           "`seen.amax` is not zeros (the arguments swapped, or the history passed as its own gradient?)")
+        + ". Pass the history the step was called with, then the gradient with respect to it."
     )
   latest = jnp.asarray(seen.seen, jnp.float32)
   largest = jnp.max(history.amax, axis=-1)
@@ -130,6 +151,18 @@ def float8_update(history: Float8History, seen: Any) -> Float8History:
   # Saturated: a maximum whose own exponent is below the one used, i.e. beyond the range it scaled to.
   own = jnp.stack([_float8.scale_exponent(latest[:, j], dtype)
                    for j, dtype in enumerate((_float8.FORWARD, _float8.FORWARD, _float8.BACKWARD))], axis=1)
-  saturated = jnp.sum((own < used) & (latest > 0)).astype(jnp.float32)
+  saturated = jnp.where(misused, jnp.nan, jnp.sum((own < used) & (latest > 0)).astype(jnp.float32))
   amax = jnp.concatenate([latest[..., None], history.amax[..., :-1]], axis=-1)
   return Float8History(amax, jnp.zeros_like(history.seen), saturated)
+
+
+def refuse_loss_scale(tree: Any, where: str) -> None:
+  """The error for a `Float8History` among what a loss scaler differentiates: its gradient would be
+  unscaled (its maxima divided by the scale) and its gradient column would see the scaled gradients."""
+  if any(isinstance(x, Float8History) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Float8History))):
+    raise TypeError(
+        f"{where} got a `jaxscale.Float8History` among the arguments it differentiates: a loss scale would "
+        "divide the maxima it records and multiply the gradients it scales. Float8 needs no loss scaling "
+        "(`jaxscale.needs_loss_scaling('mixed_float8')` is False): differentiate a delayed-scaling function "
+        "with `jax.value_and_grad(f, argnums=(0, 1))`."
+    )

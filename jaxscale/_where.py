@@ -20,6 +20,14 @@ def user_stacklevel() -> int:
   files = (getattr(sys.modules.get(name), "__file__", None) for name in _LIBRARIES)
   skipped = tuple(os.path.dirname(file) + os.sep for file in files if isinstance(file, str))
   frame, level = sys._getframe(1), 1
-  while frame.f_back is not None and frame.f_code.co_filename.startswith(skipped):
+  while frame.f_back is not None and _skipped(frame.f_code.co_filename, skipped):
     frame, level = frame.f_back, level + 1
   return level
+
+
+# The standard library's own modules (`contextlib`, `functools`), which JAX's tracing calls through.
+_STDLIB = os.path.dirname(os.__file__)
+
+
+def _skipped(filename: str, libraries: tuple) -> bool:
+  return filename.startswith(libraries) or os.path.dirname(filename) == _STDLIB

@@ -5,6 +5,7 @@ update against a plain-Python model of the window; the misuses a user meets, eac
 what to do."""
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -263,3 +264,97 @@ def test_float8_update_refuses_what_is_not_the_historys_gradient():
     jaxscale.float8_update(history, grads)  # the parameters' gradient, not the history's
   with pytest.raises(ValueError, match="maxima for 2 float8 matmuls and a history of 1"):
     jaxscale.float8_update(history, history_of(np.ones((2, 3))))
+
+
+def test_a_loss_scaler_is_refused_at_the_gradient_site():
+  """Its unscale would divide the recorded maxima by the scale, and the gradient column would see scaled
+  gradients against a history calibrated without: clipped, without a word (found by an adversarial pass)."""
+  w, x, c = problem()
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  history = jaxscale.float8_history(f, w, x, c)
+  with pytest.raises(TypeError, match=r"needs no loss scaling.*jax.value_and_grad\(f, argnums=\(0, 1\)\)"):
+    jaxscale.value_and_grad(f, argnums=(0, 1))(jaxscale.init(), history, w, x, c)
+
+
+def test_the_signature_has_the_history_in_front():
+  import inspect
+
+  w, x, c = problem()
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  assert list(inspect.signature(f).parameters) == ["history", "w", "x", "c"]
+  history = jaxscale.float8_history(f, w, x, c)
+  # `jax.jit` reads the names from it: donating `c` donates c, not x.
+  with warnings.catch_warnings():  # c's buffer is not reused (the output is a scalar): JAX says so
+    warnings.simplefilter("ignore")
+    lowered = jax.jit(f, donate_argnames="c").lower(history, w, x, c)
+  donated = [info.donated for info in jax.tree.leaves(lowered.args_info)]
+  assert donated == [False, False, False, False, False, True]  # history's three leaves, w, x, c
+
+
+def test_the_history_round_trips_through_flax_serialization():
+  serialization = pytest.importorskip("flax.serialization")
+  w, x, c = problem()
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  history = jaxscale.float8_history(f, w, x, c)
+  restored = serialization.from_bytes(history, serialization.to_bytes(history))
+  assert isinstance(restored, jaxscale.Float8History)
+  np.testing.assert_array_equal(np.asarray(restored.amax), np.asarray(history.amax))
+  as_dict = serialization.to_state_dict(history)
+  assert float(f(jaxscale.Float8History(**as_dict), w, x, c)) == float(f(history, w, x, c))
+
+
+def test_calibration_with_has_aux_differentiates_the_loss_alone():
+  w, x, c = problem(6)
+  with_aux = jaxscale.autocast(lambda w, x, c: (matmul_loss(w, x, c), {"y": jnp.dot(x, w)}), POLICY, delayed=True)
+  plain = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  aux_rows = np.asarray(jaxscale.float8_history(with_aux, w, x, c, has_aux=True).amax[..., 0])
+  plain_row = np.asarray(jaxscale.float8_history(plain, w, x, c).amax[0, :, 0])
+  np.testing.assert_array_equal(aux_rows[0], plain_row)  # the loss's matmul: its gradient the loss's
+  np.testing.assert_array_equal(aux_rows[1], 0)  # the aux output's: no gradient runs it back, it records nothing
+
+
+@pytest.mark.parametrize("misuse", ["swapped", "the history twice", "the history's slot moved"])
+def test_float8_update_of_what_cannot_be_a_history_and_its_gradient(misuse):
+  w, x, c = problem()
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  history = jaxscale.float8_history(f, w, x, c)
+  seen, _ = jax.grad(f, argnums=(0, 1))(history, w, x, c)
+  args = {"swapped": (seen, history), "the history twice": (history, history),
+          "the history's slot moved": (history._replace(seen=history.seen - 1e-3), seen)}[misuse]
+  with pytest.raises(ValueError, match="cannot be a history and its gradient"):
+    jaxscale.float8_update(*args)
+  # Under `jit` no value can be read: the counter a run logs says it, NaN.
+  assert np.isnan(float(jax.jit(jaxscale.float8_update)(*args).saturated))
+  assert float(jax.jit(jaxscale.float8_update)(history, seen).saturated) == 0
+
+
+def test_a_finite_value_past_float32_once_scaled_saturates_rather_than_becoming_nan():
+  w, x, c = problem()
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  tiny = history_of([[1e-30, np.abs(w).max(), 1e-3]])  # x's scale 2**k near 2**100
+  x = x.copy()
+  x[0, 0] = 1e30  # 1e30 * 2**100 overflows float32
+  assert np.isfinite(float(f(tiny, w, x, c)))
+  seen, _ = jax.grad(f, argnums=(0, 1))(tiny, w, x, c)
+  assert float(jaxscale.float8_update(tiny, seen).saturated) == 1
+
+
+def test_length_takes_any_integer_and_says_so():
+  w, x, c = problem()
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  assert jaxscale.float8_history(f, w, x, c, length=np.int64(3)).amax.shape[-1] == 3
+  with pytest.raises(ValueError, match="an int of at least 1; got 16.0"):
+    jaxscale.float8_history(f, w, x, c, length=16.0)
+
+
+def test_differentiating_without_the_history_warns_at_the_users_line():
+  w, x, c = problem()
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  history = jaxscale.float8_history(f, w, x, c)
+  with pytest.warns(UserWarning, match=r"not with respect to its `Float8History`.*argnums=\(0, 1\)") as caught:
+    jax.grad(f, argnums=1)(history, w, x, c)
+  assert caught[0].filename == __file__
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.grad(f, argnums=(0, 1))(history, w, x, c)  # both: no warning
+    f(history, w, x, c)  # evaluated, not differentiated: none either
