@@ -33,6 +33,7 @@ import functools
 import inspect
 import os
 import sys
+import typing
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -174,7 +175,7 @@ def autocast(
   # pytree (`Partial` for a method) its arrays are traced like the arguments'.
   callee = jax.tree_util.Partial(fun.__func__, fun.__self__) if inspect.ismethod(fun) else fun
 
-  def region(static, arrays, given_values, history=None):
+  def region(static, arrays, given_values, history: Any = None):
     (treedef, statics, given_at), mode = static[:3], (static[3] if len(static) > 3 else None)
     dynamic_at = [i for i, leaf in enumerate(statics) if leaf is _DYNAMIC]
     leaves = [None if leaf is _DYNAMIC else leaf.value for leaf in statics]
@@ -214,7 +215,8 @@ def autocast(
         _float8.warn_no_float8(_FLOAT8_MATMULS.get(), policy, _describe(fun))
       if given_at and not _GIVEN.get()[2]:
         _warn_weights_unread(_describe(fun))
-      if isinstance(history, _history.Float8History) and delayed_state["count"] != history.matmuls:
+      if delayed_state is not None and isinstance(history, _history.Float8History) and (
+          delayed_state["count"] != history.matmuls):
         raise ValueError(
             f"The float8 history passed to {_describe(fun)} holds {history.matmuls} float8 matmuls; called "
             f"with these arguments, it runs {delayed_state['count']}. Build the history with "
@@ -227,8 +229,8 @@ def autocast(
       _GIVEN.reset(read_given)
     split = len(outs) - len(found["written"])
     out = jax.tree.unflatten(found["out_tree"], outs[:split])
-    if mode == "count":
-      history["matmuls"] = delayed_state["count"]
+    if mode == "count" and delayed_state is not None:
+      typing.cast(dict, history)["matmuls"] = delayed_state["count"]  # `count`'s sink
     return policy.cast_to_output(out), dict(zip(found["written"], outs[split:]))
 
   # One `jit` per autocast function, named as the marker: an enclosing autocast sees it and
@@ -286,7 +288,7 @@ def autocast(
   wrapped_delayed.__dict__[_COUNT] = count
   # Its signature is `fun`'s with the history in front (not `fun`'s alone, which `functools.wraps`
   # would have `inspect` report), so that `jax.jit`'s argument names and NNX's transforms read it right.
-  wrapped_delayed.__signature__ = _with_history(fun)
+  wrapped_delayed.__dict__["__signature__"] = _with_history(fun)
   return wrapped_delayed  # type: ignore[return-value]
 
 

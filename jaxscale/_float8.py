@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import typing
 import warnings
 from typing import Any
 
@@ -461,7 +462,7 @@ def _scaled_for(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, 
       da, db = _unscaled(da.astype, kg + kb, written[0]), _unscaled(db.astype, kg + ka, written[1])
     # Delayed scaling: the absolute maxima seen leave as the cotangent of the slot `delayed` gave.
     seen = None if delayed is None else (jax.tree.map(_no_cotangent, delayed[0]),
-                                         jnp.stack([*forward_amax, amax_g]))
+                                         jnp.stack(typing.cast(list, [*forward_amax, amax_g])))
     return da.astype(lhs_dtype), db.astype(rhs_dtype), jax.tree.map(_no_cotangent, given), seen
 
   scaled = jax.custom_vjp(lambda lhs, rhs, given, delayed: forward(lhs, rhs, given, delayed)[0])
@@ -479,7 +480,8 @@ def _scaled_for(primitive, params, compute_dtype, lhs_dtype, rhs_dtype, inputs, 
 
   def tracked_backward(residuals, g):
     if isinstance(g, custom_derivatives.SymbolicZero):
-      g = jnp.zeros(g.shape, g.dtype)
+      aval: Any = g.aval
+      g = jnp.zeros(aval.shape, aval.dtype)
     return backward(residuals, g)
 
   tracked.defvjp(tracked_forward, _first_order_only(tracked_backward), symbolic_zeros=True)

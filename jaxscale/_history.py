@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 from jaxscale import _float8
 
@@ -136,7 +137,7 @@ def float8_update(history: Float8History, seen: Any) -> Float8History:
   # A history's `seen` is zeros (nothing differentiates it but its own slot's gradient) and a
   # gradient's `amax` is zeros (the matmuls read the window, not differentiably).
   misused = jnp.any(history.seen != 0) | jnp.any(seen.amax != 0)
-  if not isinstance(misused, jax.core.Tracer) and bool(misused):
+  if not isinstance(misused, Tracer) and bool(misused):
     raise ValueError(
         "`float8_update(history, seen)` got arguments that cannot be a history and its gradient: "
         + ("the history's `seen` is not zeros (was the history among the parameters an optimizer updates? "
