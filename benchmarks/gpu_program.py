@@ -712,32 +712,48 @@ def float8_table(width=4096, seq=2048, batch=4, heads=16, policies=("mixed_bfloa
   return {policy: row(policy) for policy in policies}
 
 
+def delayed_block_row(width=4096, seq=2048, batch=4, heads=16):
+  """The transformer block's forward and backward under `"mixed_float8"` with delayed scaling
+  (`autocast(..., delayed=True)`), its `Float8History` updated: a row builder of `float8_table`'s."""
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  params = {"qkv": shape(width, 3 * width), "out": shape(width, width), "up": shape(width, 4 * width),
+            "down": shape(4 * width, width)}
+  x = jax.ShapeDtypeStruct((batch, seq, width), jnp.float32)
+
+  def row():
+    block = jaxscale.autocast(functools.partial(transformer_block, heads=heads), "mixed_float8", delayed=True)
+    loss = lambda h, p, x: jnp.mean(jnp.square(block(h, p, x).astype(jnp.float32)))
+    history = jax.eval_shape(lambda p, x: jaxscale.float8_history(block, p, x), params, x)
+
+    def block_step(history, params, x):
+      seen, grads = jax.grad(loss, argnums=(0, 1))(history, params, x)
+      return jaxscale.float8_update(history, seen), grads
+
+    return block_step, (history, params, x), ()
+
+  return row
+
+
+def delayed_model_row(config):
+  """A real model's step (benchmarks/models.py) under `"mixed_float8"` with delayed scaling."""
+  import models
+
+  return lambda: (*models.gpt_delayed_step(config), (0, 1))
+
+
 def delayed_table():
   """Float8's delayed scaling (`autocast(..., delayed=True)`) against current scaling and bfloat16: the d 4096
   block's forward and backward, and the real models' full steps (benchmarks/models.py)."""
   import models
 
-  width, seq, batch, heads = 4096, 2048, 4, 16
-  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  params = {"qkv": shape(width, 3 * width), "out": shape(width, width), "up": shape(width, 4 * width),
-            "down": shape(4 * width, width)}
-  x = jax.ShapeDtypeStruct((batch, seq, width), jnp.float32)
-  block = jaxscale.autocast(functools.partial(transformer_block, heads=heads), "mixed_float8", delayed=True)
-  loss = lambda h, p, x: jnp.mean(jnp.square(block(h, p, x).astype(jnp.float32)))
-  history = jax.eval_shape(lambda p, x: jaxscale.float8_history(block, p, x), params, x)
-
-  def block_step(history, params, x):
-    seen, grads = jax.grad(loss, argnums=(0, 1))(history, params, x)
-    return jaxscale.float8_update(history, seen), grads
-
-  blocks = float8_table(width, seq, batch, heads)
-  blocks["mixed_float8, delayed"] = lambda: (block_step, (history, params, x), ())
+  blocks = float8_table()
+  blocks["mixed_float8, delayed"] = delayed_block_row()
   wide = models.GPTConfig(layers=2, width=4096, mlp=16384, heads=32, seq=2048, batch=4)
   out = {"transformer block fwd+bwd, d 4096, seq 2048, batch 4": blocks}
   for title, config in (("GPT-2-small-shaped step (12 x d 768, seq 1024, batch 8), AdamW", models.GPTConfig()),
                         ("Transformer step, 2 x d 4096, mlp 16384, seq 2048, batch 4, AdamW", wide)):
     rows = model_table(functools.partial(models.gpt_step, config=config))
-    rows["mixed_float8, delayed"] = lambda config=config: (*models.gpt_delayed_step(config), (0, 1))
+    rows["mixed_float8, delayed"] = delayed_model_row(config)
     out[title] = rows
   return out
 
@@ -791,7 +807,8 @@ def model_tables():
 
   wide = models.GPTConfig(layers=2, width=4096, mlp=16384, heads=32, seq=2048, batch=4)
   return {
-      "GPT-2-small-shaped step (12 x d 768, seq 1024, batch 8), AdamW": model_table(models.gpt_step),
+      "GPT-2-small-shaped step (12 x d 768, seq 1024, batch 8), AdamW": {
+          **model_table(models.gpt_step), "mixed_float8, delayed": delayed_model_row(models.GPTConfig())},
       "Transformer step, 2 x d 4096, mlp 16384, seq 2048, batch 4, AdamW": model_table(
           functools.partial(models.gpt_step, config=wide)),
       "ResNet50 step (224x224, batch 64), AdamW": model_table(models.resnet_step, donate=(0, 1, 2)),
@@ -850,7 +867,8 @@ TABLES = {
     "sixteen-floor": sixteen_floor_table,
     # Not in the default run: three steps of the d 4096 Transformer over microbatches, about a minute.
     "accumulation": accumulation_table,
-    "float8": lambda: {"transformer block fwd+bwd, d 4096, seq 2048, batch 4": float8_table(),
+    "float8": lambda: {"transformer block fwd+bwd, d 4096, seq 2048, batch 4": {
+                           **float8_table(), "mixed_float8, delayed": delayed_block_row()},
                        "transformer block fwd+bwd, d 1024, seq 1024, batch 4": float8_table(1024, 1024),
                        "conv net fwd+bwd, 4 x 3x3x128, 32x32, batch 64": conv_table()},
     # Not in the default run: the three steps compile in about 100 s (benchmarks/NOTES.md).
