@@ -89,14 +89,14 @@ def test_a_delayed_matmul_is_the_models_product_and_reports_the_models_maxima(gr
   qx, seen_x = model_quantize(x, kx, E4M3)
   qw, seen_w = model_quantize(w, kw, E4M3)
   exact = np.ldexp(qx.astype(np.float64) @ qw.astype(np.float64), -(kx + kw))
-  y = np.asarray(jnp.dot(jnp.asarray(x), jnp.asarray(w)).astype(jnp.bfloat16))  # only for its shape
-  # The product, rounded to bfloat16, then summed with c in float32 by the loss.
+  # Each product element: the float32 sum of K exact float8 products (Higham's gamma_K = K u / (1 - K u),
+  # under 1.01 K u for K u below 0.01: the 1.01), then one rounding to bfloat16. The loss multiplies by c
+  # and sums M N terms in float32: gamma_MN of the sum of their magnitudes more.
   terms = np.ldexp(np.abs(qx.astype(np.float64)) @ np.abs(qw.astype(np.float64)), -(kx + kw))
-  bound_y = x.shape[1] * F32_UNIT * terms + BF16_UNIT * np.abs(exact)
-  assert y.shape == exact.shape
+  bound_y = 1.01 * x.shape[1] * F32_UNIT * terms + BF16_UNIT * np.abs(exact)
   reference_value = float(np.sum(exact * c))
-  assert abs(float(value) - reference_value) <= float(np.sum(bound_y * np.abs(c))) * 1.01 + 1e-6 * abs(
-      reference_value), (value, reference_value)
+  bound_loss = np.sum(bound_y * np.abs(c)) + 1.01 * c.size * F32_UNIT * np.sum(np.abs(exact * c) + bound_y * np.abs(c))
+  assert abs(float(value) - reference_value) <= bound_loss, (value, reference_value)
 
   # The backward: dW = x^T g, with g (c in bfloat16, the product's dtype) quantized with its own delayed scale.
   g = np.asarray(jnp.asarray(c).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
@@ -104,7 +104,7 @@ def test_a_delayed_matmul_is_the_models_product_and_reports_the_models_maxima(gr
   exact_dw = np.ldexp(qx.astype(np.float64).T @ qg.astype(np.float64), -(kx + kg))
   terms_dw = np.ldexp(np.abs(qx.astype(np.float64)).T @ np.abs(qg.astype(np.float64)), -(kx + kg))
   np.testing.assert_array_less(np.abs(np.asarray(grad_w, np.float64) - exact_dw),
-                               x.shape[0] * F32_UNIT * terms_dw * 1.01 + 1e-30)
+                               1.01 * x.shape[0] * F32_UNIT * terms_dw + 1e-30)  # gamma_M, as above
   # The maxima seen leave as the gradient of the history's slot, exactly (scaled by powers of two).
   np.testing.assert_array_equal(np.asarray(seen.seen), np.float32([[seen_x, seen_w, seen_g]]))
   if grown > 1:
@@ -147,10 +147,12 @@ def test_update_is_the_models_window():
   assert float(new.saturated) == saturated
 
 
-def test_a_training_loop_with_delayed_scaling_follows_current_scaling():
-  """Adam on a least-squares problem, 60 steps: the delayed loop's loss stays within float8's error
-  of the current-scaling loop's (both quantize the same tensors; only the scales' choice differs,
-  by at most the margin's power of two while the tensors change slowly)."""
+def test_a_training_loop_with_delayed_scaling_converges_as_current_scaling_does():
+  """Adam on a least-squares problem whose optimum is exact (loss 0), 60 steps at lr 3e-2: each weight
+  may move 1.8, past every entry of the solution (0.3 times a unit normal), so a run whose gradients keep
+  their sign and rough size falls far below a tenth of its initial loss; float8's error (e5m2: 2**-3 of
+  a value) does not flip a gradient's sign. Both loops must, and the history must never saturate. (How
+  close delayed runs stay to current ones is measured on real training: benchmarks/float8_quality.py.)"""
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
   target = x @ jnp.asarray(rng.standard_normal((32, 16)) * 0.3, jnp.float32)
@@ -181,9 +183,7 @@ def test_a_training_loop_with_delayed_scaling_follows_current_scaling():
     w, opt, history, value = step(w, opt, history)
     w_ref, opt_ref, value_ref = reference_step(w_ref, opt_ref)
   initial = float(loss(w0, x))
-  # Both fall by more than 10x; float8's relative error (e4m3: 2**-4 a value) bounds their difference.
   assert float(value) < initial / 10 and float(value_ref) < initial / 10
-  assert abs(float(value) - float(value_ref)) <= 0.25 * float(value_ref) + 1e-3 * initial
   assert float(history.saturated) == 0
 
 
@@ -214,6 +214,13 @@ def test_the_history_is_a_pytree_of_arrays_that_checkpoints():
 
 
 # --- misuse ----------------------------------------------------------------------------------------
+
+
+def calibrated(seed=0):
+  """`(f, history, w, x, c)`: the delayed `matmul_loss` and its history, calibrated on `problem(seed)`."""
+  w, x, c = problem(seed)
+  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
+  return f, jaxscale.float8_history(f, w, x, c), w, x, c
 
 
 def test_a_delayed_function_called_without_its_history_says_how_to_make_one():
@@ -256,9 +263,7 @@ def test_float8_history_takes_a_delayed_function_and_a_positive_length():
 
 
 def test_float8_update_refuses_what_is_not_the_historys_gradient():
-  w, x, c = problem()
-  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
-  history = jaxscale.float8_history(f, w, x, c)
+  f, history, w, x, c = calibrated()
   _, grads = jax.grad(f, argnums=(0, 1))(history, w, x, c)
   with pytest.raises(TypeError, match="`seen` must be a `jaxscale.Float8History`.*argnums"):
     jaxscale.float8_update(history, grads)  # the parameters' gradient, not the history's
@@ -269,9 +274,7 @@ def test_float8_update_refuses_what_is_not_the_historys_gradient():
 def test_a_loss_scaler_is_refused_at_the_gradient_site():
   """Its unscale would divide the recorded maxima by the scale, and the gradient column would see scaled
   gradients against a history calibrated without: clipped, without a word (found by an adversarial pass)."""
-  w, x, c = problem()
-  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
-  history = jaxscale.float8_history(f, w, x, c)
+  f, history, w, x, c = calibrated()
   with pytest.raises(TypeError, match=r"needs no loss scaling.*jax.value_and_grad\(f, argnums=\(0, 1\)\)"):
     jaxscale.value_and_grad(f, argnums=(0, 1))(jaxscale.init(), history, w, x, c)
 
@@ -293,9 +296,7 @@ def test_the_signature_has_the_history_in_front():
 
 def test_the_history_round_trips_through_flax_serialization():
   serialization = pytest.importorskip("flax.serialization")
-  w, x, c = problem()
-  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
-  history = jaxscale.float8_history(f, w, x, c)
+  f, history, w, x, c = calibrated()
   restored = serialization.from_bytes(history, serialization.to_bytes(history))
   assert isinstance(restored, jaxscale.Float8History)
   np.testing.assert_array_equal(np.asarray(restored.amax), np.asarray(history.amax))
@@ -315,9 +316,7 @@ def test_calibration_with_has_aux_differentiates_the_loss_alone():
 
 @pytest.mark.parametrize("misuse", ["swapped", "the history twice", "the history's slot moved"])
 def test_float8_update_of_what_cannot_be_a_history_and_its_gradient(misuse):
-  w, x, c = problem()
-  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
-  history = jaxscale.float8_history(f, w, x, c)
+  f, history, w, x, c = calibrated()
   seen, _ = jax.grad(f, argnums=(0, 1))(history, w, x, c)
   args = {"swapped": (seen, history), "the history twice": (history, history),
           "the history's slot moved": (history._replace(seen=history.seen - 1e-3), seen)}[misuse]
@@ -348,9 +347,7 @@ def test_length_takes_any_integer_and_says_so():
 
 
 def test_differentiating_without_the_history_warns_at_the_users_line():
-  w, x, c = problem()
-  f = jaxscale.autocast(matmul_loss, POLICY, delayed=True)
-  history = jaxscale.float8_history(f, w, x, c)
+  f, history, w, x, c = calibrated()
   with pytest.warns(UserWarning, match=r"not with respect to its `Float8History`.*argnums=\(0, 1\)") as caught:
     jax.grad(f, argnums=1)(history, w, x, c)
   assert caught[0].filename == __file__
